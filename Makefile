@@ -1,0 +1,27 @@
+# make demo: bake the template, train, resume. make test: the template's own test suite.
+PYTHON ?= python3
+# Installed before everything else so the rest resolves against it. For a CPU-only wheel:
+#   make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+VENV := .venv
+# Inside the venv, so deleting the venv also forgets that it was set up.
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements-dev.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(TORCH)
+	$(VENV)/bin/pip install -r requirements-dev.txt
+	touch $@
+
+test: setup
+	$(VENV)/bin/python -m pytest tests
+
+demo: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) demo .pytest_cache .ruff_cache

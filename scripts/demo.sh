@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Bake the default template, train 200 steps on CPU, resume to 400, and say where MLflow logged
+# it. Expects the template venv's python, pip and cookiecutter first on PATH (`make demo`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# demo/my-trainer is this script's own output; removing it means the first leg starts from
+# step 0 instead of silently finding an old checkpoint.
+rm -rf demo/my-trainer
+cookiecutter --no-input --overwrite-if-exists -o demo .
+# The venv already has setuptools and every dependency, so no isolated build env is needed.
+python -m pip install -q --no-deps --no-build-isolation -e demo/my-trainer
+
+cd demo/my-trainer
+python run.py device=cpu trainer.max_steps=200
+python run.py device=cpu trainer.max_steps=400 resume=last
+
+cat <<'MSG'
+
+Both legs are logged to MLflow. To look at them:
+  cd demo/my-trainer && mlflow ui --backend-store-uri sqlite:///mlflow.db
+then open http://127.0.0.1:5000
+MSG

@@ -1,0 +1,41 @@
+"""Bake this checkout of the template through the cookiecutter API, away from the user's home."""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cookiecutter.main import cookiecutter
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+
+Bake = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def bake(tmp_path_factory: pytest.TempPathFactory) -> Bake:
+    """Return bake(output_dir, **answers), which bakes without prompting and returns the project.
+
+    Cookiecutter records every bake's answers in a replay folder under the home directory;
+    a config file pointing that folder at a temporary one keeps the tests off the user's home.
+    """
+    home = tmp_path_factory.mktemp("cookiecutter-home")
+    config = home / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"cookiecutters_dir": str(home / "cookiecutters"), "replay_dir": str(home / "replay")}
+        )
+    )
+
+    def _bake(output_dir: Path, **answers: Any) -> Path:
+        project = cookiecutter(
+            str(TEMPLATE),
+            no_input=True,
+            output_dir=str(output_dir),
+            extra_context=answers,
+            config_file=str(config),
+        )
+        return Path(project)
+
+    return _bake

@@ -1,0 +1,130 @@
+"""Every answer combination bakes a project that parses, loads and does what was asked."""
+
+import ast
+import itertools
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from cookiecutter.exceptions import FailedHookException
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+Bake = Callable[..., Path]
+
+DEVICES = ("auto", "cpu", "cuda", "xpu")
+# (answers, device the project should default to, whether IPEX support is baked in)
+ANSWERS = [pytest.param(({}, "auto", False), id="defaults")] + [
+    pytest.param(
+        ({"default_device": device, "ipex": ipex}, device, ipex), id=f"{device}-ipex{ipex}"
+    )
+    for device, ipex in itertools.product(DEVICES, (False, True))
+]
+DEFAULT_PACKAGE = "my_trainer"
+JINJA = re.compile(r"\{\{|\{%|\{#")
+# cookiecutter.json copies these verbatim (_copy_without_render): GitHub Actions uses ${{ }}.
+VERBATIM = Path(".github", "workflows")
+
+
+@pytest.fixture(scope="module", params=ANSWERS)
+def baked(
+    request: pytest.FixtureRequest, bake: Bake, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str, bool]:
+    """Bake once per answer combination; the checks below only read the tree."""
+    answers, device, ipex = request.param
+    return bake(tmp_path_factory.mktemp("bake"), **answers), device, ipex
+
+
+def files(project: Path) -> list[Path]:
+    """Every file in the baked tree, sorted so failure messages are stable."""
+    return sorted(path for path in project.rglob("*") if path.is_file())
+
+
+def grep(project: Path, pattern: re.Pattern[str], exclude: Path | None = None) -> list[str]:
+    """Return 'path' for each file name and 'path:line: text' for each line matching pattern."""
+    hits = []
+    for path in files(project):
+        relative = path.relative_to(project)
+        if exclude is not None and relative.is_relative_to(exclude):
+            continue
+        if pattern.search(str(relative)):
+            hits.append(str(relative))
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            if pattern.search(line):
+                hits.append(f"{relative}:{number}: {line.strip()}")
+    return hits
+
+
+def test_no_jinja_syntax_survives_rendering(baked: tuple[Path, str, bool]) -> None:
+    project, _, _ = baked
+    assert grep(project, JINJA, exclude=VERBATIM) == []
+
+
+def test_every_python_file_parses(baked: tuple[Path, str, bool]) -> None:
+    project, _, _ = baked
+    for path in files(project):
+        if path.suffix == ".py":
+            ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def test_every_yaml_file_loads(baked: tuple[Path, str, bool]) -> None:
+    project, _, _ = baked
+    for path in files(project):
+        if path.suffix in (".yaml", ".yml"):
+            yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def test_no_file_is_empty_except_py_typed(baked: tuple[Path, str, bool]) -> None:
+    project, _, _ = baked
+    empty = [
+        str(path.relative_to(project))
+        for path in files(project)
+        if path.name != "py.typed" and not path.read_bytes().strip()
+    ]
+    assert empty == []
+
+
+def test_config_defaults_list_picks_the_chosen_device(baked: tuple[Path, str, bool]) -> None:
+    project, device, _ = baked
+    config = yaml.safe_load((project / "configs" / "config.yaml").read_text(encoding="utf-8"))
+    assert {"device": device} in config["defaults"]
+
+
+def test_ipex_is_mentioned_only_when_asked_for(baked: tuple[Path, str, bool]) -> None:
+    project, _, ipex = baked
+    if not ipex:
+        assert grep(project, re.compile("ipex", re.IGNORECASE)) == []
+        return
+    assert (project / "src" / DEFAULT_PACKAGE / "ipex.py").is_file()
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "ipex" in pyproject["project"]["optional-dependencies"]
+
+
+def test_package_is_derived_from_project_name(bake: Bake, tmp_path: Path) -> None:
+    project = bake(tmp_path, project="Fancy-Trainer")
+    assert project == tmp_path / "Fancy-Trainer"
+    assert (project / "src" / "fancy_trainer" / "__init__.py").is_file()
+
+
+REJECTED = [
+    pytest.param("package", value, id=f"package={value}")
+    for value in ("torch", "class", "1abc", "my-pkg", "json")
+] + [pytest.param("python_min", value, id=f"python_min={value}") for value in ("2.7", "3.9", "3")]
+
+
+@pytest.mark.parametrize(("answer", "value"), REJECTED)
+def test_pre_gen_hook_refuses_with_one_line_naming_the_answer_and_bakes_nothing(
+    bake: Bake, tmp_path: Path, capfd: pytest.CaptureFixture[str], answer: str, value: str
+) -> None:
+    with pytest.raises(FailedHookException):
+        bake(tmp_path, **{answer: value})
+    assert list(tmp_path.iterdir()) == []
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"error: {answer} {value!r} ")

@@ -1,0 +1,35 @@
+"""The default bake is a working project: it installs, passes its own suite and lints clean."""
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Bounds a hung generated suite so CI fails with output instead of stalling.
+TIMEOUT_S = 1200
+
+
+def run(command: list[str], cwd: Path) -> None:
+    """Run a command in the bake; on failure show its output, which is the only diagnosis."""
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"`{' '.join(command)}` exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+        )
+
+
+@pytest.mark.slow
+def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
+    bake: Callable[..., Path], tmp_path: Path
+) -> None:
+    project = bake(tmp_path)
+    # The venv already holds every runtime dependency and setuptools; no network needed.
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    run([*pip, "-e", str(project)], cwd=project)
+    run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project)
+    run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
+    run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)

@@ -1,0 +1,165 @@
+"""Checkpoint files: atomic writes, the `latest` pointer, retention, safe loading, and what
+`resume=` means.
+
+A checkpoint is one file, `step_00001200.pt`, with its SHA-256 beside it in
+`step_00001200.pt.sha256`. Every file is written to a temporary name, flushed, fsynced and then
+renamed over the target, so a crash at any instant, mid-save included, leaves the previous
+checkpoint whole. The digest catches what the rename cannot: a file damaged after it was written
+(a truncated copy, a bad disk).
+"""
+
+import hashlib
+import logging
+import os
+import pickle
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, Optional
+
+import torch
+
+from .errors import RunError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+POINTER = "latest"
+NAME = re.compile(r"step_(\d+)\.pt")
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be used: damaged, unsafe, or from an unknown format."""
+
+
+def save(state: dict, home: Path, step: int, keep_last: int) -> Path:
+    """Writes `state` as the checkpoint of `step`, points `latest` at it, and keeps the newest
+    `keep_last` checkpoints."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / f"step_{step:08d}.pt"
+    _write_atomically(path, lambda file: torch.save(state, file))
+    digest = _sha256(path)
+    _write_atomically(_digest_path(path), lambda file: file.write(digest.encode()))
+    _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()))
+    _prune(home, keep_last)
+    return path
+
+
+def load(path: Path) -> dict:
+    """Reads a checkpoint onto the CPU without running any code inside it.
+
+    `weights_only=True` refuses anything but tensors and plain containers, so a crafted pickle
+    cannot execute. Loading onto the CPU lets a checkpoint written on any device resume on any
+    other: the runner places everything afterwards.
+    """
+    digest_path = _digest_path(path)
+    if digest_path.exists() and digest_path.read_text().strip() != _sha256(path):
+        raise CheckpointError(f"{path} is damaged: its contents no longer match the SHA-256 written when it was saved")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = str(error).strip().splitlines()
+        reason = next((line.strip() for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+        raise CheckpointError(
+            f"{path} was refused: it holds objects that only unrestricted unpickling could rebuild, "
+            f"which can run arbitrary code ({reason}); load only checkpoints this project wrote"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}")
+    return state
+
+
+def find(resume: Optional[str], home: Path) -> Optional[tuple[Path, dict]]:
+    """What `resume=` names, loaded: None (start fresh), `last`, `auto` or a path.
+
+    `last` and `auto` take the newest checkpoint in `home` that loads; `last` fails when there is
+    none, `auto` starts fresh. A path names a checkpoint file, or a folder to search the same way.
+    """
+    if resume is None:
+        return None
+    if resume in ("last", "auto"):
+        found = newest_valid(home)
+        if found is None and resume == "last":
+            raise RunError(
+                f"resume=last found no valid checkpoint in {home}; train without resume first, "
+                f"or pass resume=auto to start fresh when there is none"
+            )
+        if found is None:
+            log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
+        return found
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir():
+        found = newest_valid(path)
+        if found is None:
+            raise RunError(f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last")
+        return found
+    if path.is_file():
+        return path, load(path)
+    raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
+
+
+def newest_valid(home: Path) -> Optional[tuple[Path, dict]]:
+    """The newest checkpoint in `home` that loads, trying the `latest` pointer's target first and
+    falling back, with a warning, past damaged ones."""
+    for path in _candidates(home):
+        try:
+            return path, load(path)
+        except CheckpointError as error:
+            log.warning(f"skipping a checkpoint: {error}; falling back to an older one")
+    return None
+
+
+def has_checkpoints(home: Path) -> bool:
+    return any(_steps(home))
+
+
+def _candidates(home: Path) -> list[Path]:
+    newest_first = [path for _, path in sorted(_steps(home), reverse=True)]
+    pointer = home / POINTER
+    target = home / pointer.read_text().strip() if pointer.is_file() else None
+    return [target, *(p for p in newest_first if p != target)] if target in newest_first else newest_first
+
+
+def _steps(home: Path) -> list[tuple[int, Path]]:
+    if not home.is_dir():
+        return []
+    return [(int(match[1]), path) for path in home.iterdir() if (match := NAME.fullmatch(path.name))]
+
+
+def _prune(home: Path, keep_last: int) -> None:
+    for _, path in sorted(_steps(home), reverse=True)[keep_last:]:
+        path.unlink(missing_ok=True)
+        _digest_path(path).unlink(missing_ok=True)
+    for leftover in home.glob("*.tmp"):  # from a save that crashed before its rename
+        leftover.unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    # The temporary name keeps an extension: torch.save rejects some dot-names without one.
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # makes the rename itself survive a power cut
+    finally:
+        os.close(directory)
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,95 @@
+"""Which device a run uses, a preflight that fails before anything is built, and the placement
+audit that proves every tensor the first step touches is on that device."""
+
+import platform
+
+import torch
+from torch import nn
+
+from .config import DeviceConfig
+from .errors import RunError
+
+ACCELERATORS = ("cuda", "xpu")
+
+
+def resolve_device(cfg: DeviceConfig) -> torch.device:
+    """The device the config asks for, or a one-line error saying why it cannot be had."""
+    if cfg.type == "auto":
+        for kind in ACCELERATORS:
+            if getattr(torch, kind).is_available():
+                return torch.device(kind, 0)
+        return torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
+    if cfg.type == "cpu":
+        return torch.device("cpu")
+    if cfg.type not in ACCELERATORS:
+        raise RunError(f"device.type={cfg.type!r} is not a device this project knows; use device=cpu, cuda, xpu or auto")
+    backend = getattr(torch, cfg.type)
+    if not backend.is_available():
+        raise RunError(
+            f"device={cfg.type} was asked for, but torch.{cfg.type}.is_available() is False "
+            f"(this torch build is {torch.__version__}); use device=auto or device=cpu, "
+            f"or install a torch build with {cfg.type} support"
+        )
+    if cfg.index >= backend.device_count():
+        raise RunError(
+            f"device.index={cfg.index} was asked for, but torch.{cfg.type}.device_count() is "
+            f"{backend.device_count()}; use device.index=0..{backend.device_count() - 1}"
+        )
+    return torch.device(cfg.type, cfg.index)
+
+
+def describe(device: torch.device) -> str:
+    """`cuda:0 (NVIDIA H100 80GB HBM3)`: the evidence a person needs that the run is where they meant."""
+    if device.type in ACCELERATORS:
+        return f"{device} ({getattr(torch, device.type).get_device_name(device.index)})"
+    if device.type == "cpu":
+        return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return str(device)
+
+
+def audit_placement(
+    device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+) -> None:
+    """Stops the run, naming each tensor that is not on `device`, before the first step.
+
+    The two usual causes get their own hint: a submodule created after `model.to(device)` (a new
+    head for fine-tuning), and optimizer state restored before the model was moved.
+    """
+    misplaced_model = [
+        f"model.{name} is on {tensor.device}"
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if not _on(tensor, device)
+    ]
+    names = {param: name for name, param in model.named_parameters()}
+    misplaced_state = []
+    for group in optimizer.param_groups:
+        # Non-fused, non-capturable optimizers keep `step` as a CPU scalar on purpose.
+        cpu_step_allowed = not (group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if not torch.is_tensor(value) or _on(value, device):
+                    continue
+                if key == "step" and cpu_step_allowed and value.device.type == "cpu" and value.dim() == 0:
+                    continue
+                misplaced_state.append(f"optimizer state {key!r} of model.{names.get(param, '?')} is on {value.device}")
+    scaler_device = getattr(scaler, "_device", device.type)
+    misplaced_scaler = [] if not scaler.is_enabled() or scaler_device == device.type else [f"GradScaler is for {scaler_device}"]
+
+    problems = misplaced_model + misplaced_state + misplaced_scaler
+    if not problems:
+        return
+    hints = []
+    if misplaced_model:
+        hints.append("a submodule was created or replaced after model.to(device): build the whole model before moving it")
+    if misplaced_state:
+        hints.append("optimizer state was loaded before the model moved: move the model first, then load the optimizer state")
+    if misplaced_scaler:
+        hints.append("the GradScaler was built for another device type")
+    raise RunError(f"{len(problems)} tensor(s) not on {device}: {'; '.join(problems)}. Likely cause: {'; '.join(hints)}")
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)

@@ -1,0 +1,36 @@
+"""Graceful preemption: SIGTERM (a scheduler taking the node back) or SIGINT (Ctrl-C) lets the
+current step finish, and the runner then saves a checkpoint before it exits."""
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption:
+    """While active, the first SIGTERM or SIGINT only sets `received`; a second one interrupts at
+    once, for a person who really means it."""
+
+    def __init__(self) -> None:
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum)
+        log.warning(f"{self.received.name} received: finishing this step, then saving a checkpoint")

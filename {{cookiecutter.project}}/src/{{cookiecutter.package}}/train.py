@@ -1,0 +1,353 @@
+"""The training recipe, top to bottom: build, place, restore, audit, check, train, save.
+
+The order in `train` is the point of this file. Each numbered step says why it stands where it
+does; moving one is how the failures this project exists to prevent come back.
+"""
+
+import logging
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import TensorDataset
+from tqdm import tqdm
+
+from . import checkpoints
+from .config import Config, check_values
+from .data import Position, batches, build_data, build_loader
+from .devices import audit_placement, describe, resolve_device
+from .errors import RunError
+from .model import build_model
+from .optimizers import build_optimizer, build_scheduler, restore_optimization
+from .precision import autocast, build_scaler
+from .precision import describe as describe_amp
+from .preemption import Preemption
+from .seeding import capture_rng, restore_rng, seed_everything
+from .tracking import Tracker
+{%- if cookiecutter.ipex %}
+from .ipex import ipex_optimize
+{%- endif %}
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What a training step touches and a checkpoint saves, assembled by `train` in recipe order."""
+
+    cfg: Config
+    device: torch.device
+    model: nn.Module
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    tracker: Tracker
+
+
+@dataclass
+class Probe:
+    """A fixed batch of validation samples: its loss at save and at resume proves continuity."""
+
+    indices: torch.Tensor
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def of(cls, dataset: TensorDataset, indices: torch.Tensor) -> "Probe":
+        inputs, targets = dataset.tensors
+        return cls(indices, inputs[indices], targets[indices])
+
+
+def main(cfg: DictConfig) -> dict[str, float]:
+    """The entry point of run.py: a problem the user can fix prints as one line, no traceback."""
+    try:
+        return train(cfg)
+    except RunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
+    validation metrics."""
+    check_values(cfg)
+    seed_everything(cfg.seed)
+
+    # 1. The device first: a missing accelerator fails here, before anything is built.
+    device = resolve_device(cfg.device)
+    log.info(f"device: {describe(device)}; amp: {describe_amp(cfg.amp)}")
+
+    # 2. The whole model, with any structural change (a new head, frozen layers) made inside
+    #    build_model: the move below carries only the submodules that exist at that moment.
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data.num_features, data.num_classes)
+
+    # 3. Model and criterion to the device.
+    model.to(device)
+    criterion = nn.CrossEntropyLoss().to(device)
+
+    # 4. Optimizer, scheduler and scaler, built on parameters that are already placed.
+    optimizer = build_optimizer(cfg.optimizer, model)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+    scaler = build_scaler(cfg.amp, device)
+    run = Run(cfg, device, model, criterion, optimizer, scheduler, scaler, Tracker(cfg.mlflow))
+
+    # 5. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
+    #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
+    #    and the first step would fail with "Expected all tensors to be on the same device".
+    home = Path(cfg.checkpoint.dir)
+    found = checkpoints.find(cfg.resume, home)
+    if found is None and checkpoints.has_checkpoints(home):
+        raise RunError(
+            f"{home} already holds checkpoints of experiment {cfg.experiment!r}; continue them with "
+            f"resume=last, or start a separate run with experiment=<new name> (or checkpoint.dir=<path>)"
+        )
+    position, step = Position(), 0
+    probe = Probe.of(data.val, torch.arange(min(cfg.checkpoint.continuity.probe_size, len(data.val))))
+    if found is not None:
+        saved = found[1]
+        restore(run, saved)
+        position, step = Position(**saved["data_position"]), saved["step"]
+        probe = Probe.of(data.val, saved["probe"]["indices"])
+{%- if cookiecutter.ipex %}
+
+    # 6. IPEX rewrites model and optimizer: it must see the restored state, and what it returns
+    #    replaces them.
+    if cfg.device.ipex:
+        run.model, run.optimizer = ipex_optimize(run.model, run.optimizer, cfg.amp)
+{%- endif %}
+
+    # 7. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
+    audit_placement(device, run.model, run.optimizer, run.scaler)
+
+    # 8. One MLflow run across resumes; then the continuity check: the probe loss now must
+    #    match the probe loss stored at save.
+    record = (flat_params(cfg), comparison_tags(cfg, device), OmegaConf.to_yaml(cfg, resolve=True))
+    if found is None:
+        run.tracker.start(*record)
+    else:
+        run.tracker.reattach(saved.get("mlflow_run_id"), *record, checkpoint=str(found[0]))
+        check_continuity(run, saved, probe, step)
+
+    # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
+    trainer = cfg.trainer
+    stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
+    last_saved = step if found is not None else None
+    status = "FAILED"
+    try:
+        with Preemption() as preemption, tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
+            window_start, window_samples = time.perf_counter(), 0
+            while step < trainer.max_steps and preemption.received is None:
+                inputs, targets = next(stream)
+                loss = train_step(run, inputs, targets)
+                step += 1
+                window_samples += len(inputs)
+                bar.update()
+                if step % trainer.log_every_n_steps == 0:
+                    seconds = time.perf_counter() - window_start
+                    metrics = {
+                        "train/loss": loss.item(),
+                        "train/lr": run.optimizer.param_groups[0]["lr"],
+                        "train/samples_per_s": window_samples / seconds,
+                        "train/step_time_ms": 1000 * seconds * len(inputs) / window_samples,
+                    }
+                    run.tracker.log_metrics(metrics, step)
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
+                    window_start, window_samples = time.perf_counter(), 0
+                if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
+                    run.tracker.log_metrics(evaluate(run, data.val), step)
+                if step % cfg.checkpoint.every_n_steps == 0:
+                    last_saved = save(run, position, step, probe)
+            val = evaluate(run, data.val)
+            run.tracker.log_metrics(val, step)
+            if last_saved != step:
+                last_saved = save(run, position, step, probe)
+        status = "KILLED" if preemption.received else "FINISHED"
+    finally:
+        run.tracker.finish(status)
+
+    newest = home / f"step_{step:08d}.pt"
+    if preemption.received:
+        log.info(f"stopped at step {step} by {preemption.received.name}; saved {newest}; continue with resume=last")
+        raise SystemExit(128 + preemption.received)
+    log.info(
+        f"finished at step {step}: val/loss {val['val/loss']:.4f}, val/accuracy {val['val/accuracy']:.4f}; "
+        f"checkpoint {newest}; MLflow run {run.tracker.run_id}"
+    )
+    return val
+
+
+def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    non_blocking = run.cfg.device.non_blocking
+    inputs, targets = inputs.to(run.device, non_blocking=non_blocking), targets.to(run.device, non_blocking=non_blocking)
+    with autocast(run.cfg.amp, run.device):
+        loss = run.criterion(run.model(inputs), targets)
+    run.scaler.scale(loss).backward()  # scale and step are pass-throughs when the scaler is off
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(run: Run, dataset: TensorDataset, batch_size: int = 512) -> dict[str, float]:
+    """Validation loss and accuracy. Draws no random numbers, so it cannot perturb a resume."""
+    run.model.eval()
+    total_loss, correct = 0.0, 0
+    inputs, targets = dataset.tensors
+    for start in range(0, len(inputs), batch_size):
+        x, y = inputs[start : start + batch_size].to(run.device), targets[start : start + batch_size].to(run.device)
+        with autocast(run.cfg.amp, run.device):
+            logits = run.model(x)
+        total_loss += run.criterion(logits.float(), y).item() * len(y)
+        correct += (logits.argmax(dim=1) == y).sum().item()
+    run.model.train()
+    return {"val/loss": total_loss / len(inputs), "val/accuracy": correct / len(inputs)}
+
+
+@torch.no_grad()
+def probe_loss(run: Run, probe: Probe) -> float:
+    run.model.eval()
+    with autocast(run.cfg.amp, run.device):
+        logits = run.model(probe.inputs.to(run.device))
+    run.model.train()
+    return run.criterion(logits.float(), probe.targets.to(run.device)).item()
+
+
+def save(run: Run, position: Position, step: int, probe: Probe) -> int:
+    """Writes a checkpoint of everything needed to continue exactly, and logs the probe loss as
+    `checkpoint/loss`; returns the step saved."""
+    loss = probe_loss(run, probe)
+    state = {
+        "format_version": checkpoints.FORMAT_VERSION,
+        "step": step,
+        "data_position": asdict(position),
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "optimizer_name": run.cfg.optimizer.name,
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),  # {} when the scaler is off
+        "rng": capture_rng(run.device),
+        "probe": {"indices": probe.indices, "loss": loss},
+        "mlflow_run_id": run.tracker.run_id,
+        "config": OmegaConf.to_container(run.cfg, resolve=True),
+        "device": {"type": run.device.type, "name": describe(run.device)},
+        "amp": {"enabled": run.cfg.amp.enabled, "dtype": run.cfg.amp.dtype},
+        "versions": library_versions(),
+    }
+    checkpoints.save(state, Path(run.cfg.checkpoint.dir), step, run.cfg.checkpoint.keep_last)
+    run.tracker.log_metrics({"checkpoint/loss": loss}, step)
+    run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
+    return step
+
+
+def restore(run: Run, saved: dict) -> None:
+    """Loads a checkpoint into parts that are already on their device; fails, naming the
+    mismatch, when the checkpoint cannot belong to this model or optimizer."""
+    if saved["optimizer_name"] != run.cfg.optimizer.name:
+        raise RunError(
+            f"the checkpoint was trained with optimizer={saved['optimizer_name']}, this run asks for "
+            f"optimizer={run.cfg.optimizer.name}; resume with optimizer={saved['optimizer_name']}, "
+            f"or start a new run with experiment=<new name>"
+        )
+    check_model_fits(run.model, saved["model"])
+    report_changes(saved["config"], OmegaConf.to_container(run.cfg, resolve=True))
+    run.model.load_state_dict(saved["model"])
+    restore_optimization(run.optimizer, run.scheduler, saved)
+    if run.scaler.is_enabled() and saved["scaler"]:
+        run.scaler.load_state_dict(saved["scaler"])
+    elif run.scaler.is_enabled():
+        log.info("the checkpoint has no GradScaler state (amp was not fp16): starting a fresh GradScaler")
+    elif saved["scaler"]:
+        log.info("amp is no longer fp16: the checkpoint's GradScaler state is not needed and is skipped")
+    restore_rng(saved["rng"], run.device)  # last: nothing after it may draw random numbers
+
+
+def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    current = model.state_dict()
+    missing = sorted(current.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - current.keys())
+    reshaped = [
+        f"{key} {tuple(saved[key].shape)} in the checkpoint vs {tuple(current[key].shape)} now"
+        for key in sorted(current.keys() & saved.keys())
+        if saved[key].shape != current[key].shape
+    ]
+    problems = [f"missing from the checkpoint: {', '.join(missing)}"] if missing else []
+    problems += [f"not in this model: {', '.join(unexpected)}"] if unexpected else []
+    problems += [f"shape mismatch: {'; '.join(reshaped)}"] if reshaped else []
+    if problems:
+        raise RunError(
+            f"the checkpoint does not fit this model ({' | '.join(problems)}); resume with the model "
+            f"settings it was trained with, or start a new run with experiment=<new name>"
+        )
+
+
+def report_changes(saved: dict, current: dict) -> dict[str, str]:
+    """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said."""
+    before, after = flatten(saved), flatten(current)
+    changed = {key: f"{before.get(key)} -> {value}" for key, value in after.items() if key != "resume" and before.get(key) != value}
+    if changed:
+        log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
+    return changed
+
+
+def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> None:
+    """Compares the probe loss now with the one stored at save: exactly, on the same device type
+    and AMP setting; within `checkpoint.continuity.rtol` when either changed."""
+    settings = run.cfg.checkpoint.continuity
+    before, now = saved["probe"]["loss"], probe_loss(run, probe)
+    same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == {
+        "enabled": run.cfg.amp.enabled,
+        "dtype": run.cfg.amp.dtype,
+    }
+    ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
+    verdict = "ok" if ok else "mismatch"
+    run.tracker.log_metrics({"resume/loss": now, "resume/loss_delta": abs(now - before)}, step)
+    run.tracker.set_tags({"continuity": verdict})
+    line = f"resumed at step {step} on {run.device}: loss at save {before:.4f}, loss now {now:.4f} ({verdict})"
+    if ok:
+        log.info(line)
+        return
+    tolerance = "exact match expected on the same device and dtype" if same_setup else f"rtol {settings.rtol}"
+    if settings.on_mismatch == "error":
+        raise RunError(f"{line}: {tolerance}; the restore is not faithful")
+    log.warning(f"{line}: {tolerance}")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+def flat_params(cfg: Config) -> dict[str, str]:
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
+def comparison_tags(cfg: Config, device: torch.device) -> dict[str, str]:
+    """What the MLflow UI needs to compare runs: where and how each one really ran."""
+    return {
+        "device": str(device),
+        "device.type": device.type,
+        "device.name": describe(device),
+        "amp": cfg.amp.dtype if cfg.amp.enabled else "off",
+        "torch": str(torch.__version__),
+    }
+
+
+def library_versions() -> dict[str, str]:
+    # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses.
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__}
