@@ -103,9 +103,12 @@ def find(resume: Optional[str], home: Path) -> Optional[tuple[Path, dict]]:
 
 
 def newest_valid(home: Path) -> Optional[tuple[Path, dict]]:
-    """The newest checkpoint in `home` that loads, trying the `latest` pointer's target first and
-    falling back, with a warning, past damaged ones."""
-    for path in _candidates(home):
+    """The newest checkpoint in `home` that loads, falling back, with a warning, past damaged ones.
+
+    It goes by the step numbers in the file names, not by the `latest` pointer (which is there
+    for people and tools): a crash between two renames can leave the pointer one save behind.
+    """
+    for _, path in sorted(_steps(home), reverse=True):
         try:
             return path, load(path)
         except CheckpointError as error:
@@ -115,13 +118,6 @@ def newest_valid(home: Path) -> Optional[tuple[Path, dict]]:
 
 def has_checkpoints(home: Path) -> bool:
     return any(_steps(home))
-
-
-def _candidates(home: Path) -> list[Path]:
-    newest_first = [path for _, path in sorted(_steps(home), reverse=True)]
-    pointer = home / POINTER
-    target = home / pointer.read_text().strip() if pointer.is_file() else None
-    return [target, *(p for p in newest_first if p != target)] if target in newest_first else newest_first
 
 
 def _steps(home: Path) -> list[tuple[int, Path]]:

@@ -33,7 +33,7 @@ def resolve_device(cfg: DeviceConfig) -> torch.device:
     if cfg.index >= backend.device_count():
         raise RunError(
             f"device.index={cfg.index} was asked for, but torch.{cfg.type}.device_count() is "
-            f"{backend.device_count()}; use device.index=0..{backend.device_count() - 1}"
+            f"{backend.device_count()}; pick an index from 0 to {backend.device_count() - 1}"
         )
     return torch.device(cfg.type, cfg.index)
 
@@ -69,12 +69,15 @@ def audit_placement(
         # Non-fused, non-capturable optimizers keep `step` as a CPU scalar on purpose.
         cpu_step_allowed = not (group.get("fused") or group.get("capturable"))
         for param in group["params"]:
+            if param not in names:
+                misplaced_state.append(f"the optimizer holds a {tuple(param.shape)} parameter on {param.device} that the model no longer has")
+                continue
             for key, value in optimizer.state.get(param, {}).items():
                 if not torch.is_tensor(value) or _on(value, device):
                     continue
                 if key == "step" and cpu_step_allowed and value.device.type == "cpu" and value.dim() == 0:
                     continue
-                misplaced_state.append(f"optimizer state {key!r} of model.{names.get(param, '?')} is on {value.device}")
+                misplaced_state.append(f"optimizer state {key!r} of model.{names[param]} is on {value.device}")
     scaler_device = getattr(scaler, "_device", device.type)
     misplaced_scaler = [] if not scaler.is_enabled() or scaler_device == device.type else [f"GradScaler is for {scaler_device}"]
 
@@ -85,7 +88,10 @@ def audit_placement(
     if misplaced_model:
         hints.append("a submodule was created or replaced after model.to(device): build the whole model before moving it")
     if misplaced_state:
-        hints.append("optimizer state was loaded before the model moved: move the model first, then load the optimizer state")
+        hints.append(
+            "the optimizer was built, or its state loaded, before the model moved: "
+            "move the model first, then build the optimizer and load its state"
+        )
     if misplaced_scaler:
         hints.append("the GradScaler was built for another device type")
     raise RunError(f"{len(problems)} tensor(s) not on {device}: {'; '.join(problems)}. Likely cause: {'; '.join(hints)}")

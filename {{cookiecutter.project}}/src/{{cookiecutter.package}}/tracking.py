@@ -35,16 +35,13 @@ class Tracker:
 
     def __init__(self, cfg: MlflowConfig) -> None:
         self.run_id: Optional[str] = None
-        self._client = None
-        self._sender: Optional[_MetricSender] = None
-        if not cfg.enabled:
-            return
         self._cfg = cfg
-        self._client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self._client: Optional[MlflowClient] = None
+        self._sender: Optional[_MetricSender] = None
 
     def start(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
         """A new run, with the flattened config as params and the resolved config as an artifact."""
-        if self._client is None:
+        if not self._connect():
             return
         run = self._client.create_run(self._experiment_id(), run_name=self._cfg.run_name, tags=tags)
         self.run_id = run.info.run_id
@@ -61,7 +58,7 @@ class Tracker:
         `resume.<n>.<key>`. A run missing from this store (a copied checkpoint, a new store)
         gets a new run, tagged with the checkpoint it continues.
         """
-        if self._client is None:
+        if not self._connect():
             return
         try:
             run = self._client.get_run(run_id) if run_id else None
@@ -103,6 +100,12 @@ class Tracker:
             self._client.set_terminated(self.run_id, status=status)
         except Exception as error:  # the server may be gone; the run itself is done
             log.warning(f"could not mark MLflow run {self.run_id} {status}: {error}")
+
+    def _connect(self) -> bool:
+        """Opens the store only when a run starts: a run that fails its preflight leaves no trace."""
+        if self._cfg.enabled and self._client is None:
+            self._client = MlflowClient(tracking_uri=self._cfg.tracking_uri)
+        return self._client is not None
 
     def _experiment_id(self) -> str:
         experiment = self._client.get_experiment_by_name(self._cfg.experiment_name)

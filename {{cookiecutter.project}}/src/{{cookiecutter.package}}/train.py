@@ -66,7 +66,7 @@ class Probe:
         return cls(indices, inputs[indices], targets[indices])
 
 
-def main(cfg: DictConfig) -> dict[str, float]:
+def main(cfg: DictConfig) -> dict:
     """The entry point of run.py: a problem the user can fix prints as one line, no traceback."""
     try:
         return train(cfg)
@@ -75,9 +75,9 @@ def main(cfg: DictConfig) -> dict[str, float]:
         raise SystemExit(2) from None
 
 
-def train(cfg: Config) -> dict[str, float]:
+def train(cfg: Config) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
-    validation metrics."""
+    validation metrics, the step reached and the MLflow run id."""
     check_values(cfg)
     seed_everything(cfg.seed)
 
@@ -135,14 +135,15 @@ def train(cfg: Config) -> dict[str, float]:
         run.tracker.start(*record)
     else:
         run.tracker.reattach(saved.get("mlflow_run_id"), *record, checkpoint=str(found[0]))
-        check_continuity(run, saved, probe, step)
-
-    # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
-    trainer = cfg.trainer
-    stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
-    last_saved = step if found is not None else None
     status = "FAILED"
     try:
+        if found is not None:
+            check_continuity(run, saved, probe, step)
+
+        # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
+        trainer = cfg.trainer
+        stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
+        last_saved = step if found is not None else None
         with Preemption() as preemption, tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
             window_start, window_samples = time.perf_counter(), 0
             while step < trainer.max_steps and preemption.received is None:
@@ -169,7 +170,7 @@ def train(cfg: Config) -> dict[str, float]:
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
             if last_saved != step:
-                last_saved = save(run, position, step, probe)
+                save(run, position, step, probe)
         status = "KILLED" if preemption.received else "FINISHED"
     finally:
         run.tracker.finish(status)
@@ -182,7 +183,7 @@ def train(cfg: Config) -> dict[str, float]:
         f"finished at step {step}: val/loss {val['val/loss']:.4f}, val/accuracy {val['val/accuracy']:.4f}; "
         f"checkpoint {newest}; MLflow run {run.tracker.run_id}"
     )
-    return val
+    return {**val, "step": step, "run_id": run.tracker.run_id}
 
 
 def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""`python run.py` as a person types it: the default demo, one-line errors, preemption by
+SIGTERM, and `kill -9` at any moment, mid-save included."""
+
+import fcntl
+import os
+import pty
+import random
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+import torch
+from conftest import losses, run_cli, start
+from mlflow import MlflowClient
+
+from {{cookiecutter.package}} import checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_default_demo_trains_and_logs_to_the_project_store(project):
+    result = run_cli(project)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert "device: cpu" in output and "amp: off" in output
+    assert "finished at step 300" in output
+    assert (project / "mlflow.db").exists()
+    assert (project / "checkpoints" / "demo" / "step_00000300.pt").exists()
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optimizer.name"] == "adamw" and run.data.params["optimizer.lr"] == "0.003"
+    assert run.data.tags["device"] == "cpu"
+    assert sorted(losses(client, run.info.run_id)) == list(range(10, 301, 10))
+    assert run.data.metrics["val/accuracy"] > 0.9
+    assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+
+
+def test_the_progress_display_stays_quiet_without_a_terminal_and_shows_with_one(project):
+    quiet = run_cli(project, "trainer.max_steps=30", "mlflow.enabled=false")
+    assert quiet.returncode == 0 and "it/s" not in quiet.stderr and "samples_s" not in quiet.stderr
+    main, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0x0
+    process = subprocess.Popen(
+        [sys.executable, "run.py", "trainer.max_steps=30", "mlflow.enabled=false", "experiment=tty"],
+        cwd=project, stdout=subprocess.DEVNULL, stderr=secondary,
+    )  # fmt: skip
+    os.close(secondary)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        shown += chunk
+    assert process.wait(timeout=120) == 0
+    assert b"train: 100%" in shown and b"samples_s=" in shown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has cuda")
+def test_a_missing_device_exits_before_building_with_one_line_and_no_traceback(project):
+    result = run_cli(project, "device=cuda")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: device=cuda was asked for, but torch.cuda.is_available() is False (this torch build is "
+        f"{torch.__version__}); use device=auto or device=cpu, or install a torch build with cuda support"
+    ]
+    assert not (project / "checkpoints").exists()
+
+
+def test_an_unknown_group_option_is_hydras_error(project):
+    result = run_cli(project, "device=tpu")
+    assert result.returncode == 1
+    assert "Could not find 'device/tpu'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_resume_last_with_nothing_saved_says_where_it_looked(project):
+    result = run_cli(project, "resume=last")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: resume=last found no valid checkpoint in {project / 'checkpoints' / 'demo'}; "
+        f"train without resume first, or pass resume=auto to start fresh when there is none"
+    )
+
+
+def wait_for_a_save(home, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Returns once `process` has written a checkpoint: it is past start-up and training."""
+    pointer = home / "latest"
+    before = pointer.read_text() if pointer.exists() else None
+    deadline = time.monotonic() + timeout
+    while not pointer.exists() or pointer.read_text() == before:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+
+
+def test_sigterm_saves_the_current_step_and_resume_last_continues_from_it(project):
+    home, client = project / "checkpoints" / "demo", MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    process = start(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=50")
+    wait_for_a_save(home, process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    saved = checkpoints.newest_valid(home)[1]
+    assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr
+    assert client.get_run(saved["mlflow_run_id"]).info.status == "KILLED"
+
+    resumed = run_cli(project, f"trainer.max_steps={saved['step'] + 20}", "checkpoint.every_n_steps=50", "resume=last")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {saved['step']} on cpu: loss at save" in resumed.stdout + resumed.stderr
+    assert "(ok)" in resumed.stdout + resumed.stderr
+    assert client.get_run(saved["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run(project):
+    """Saves every 3 steps, so some kills land mid-save; every resume must find a valid checkpoint
+    and every loss logged after it must equal the unbroken run's."""
+    settings = ["trainer.max_steps=600", "checkpoint.every_n_steps=3", "checkpoint.keep_last=2", "trainer.log_every_n_steps=1"]
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    reference = run_cli(project, *settings, "experiment=reference")
+    assert reference.returncode == 0, reference.stderr
+    (reference_run,) = client.search_runs([client.get_experiment_by_name("reference").experiment_id])
+    expected = {step: values[-1] for step, values in losses(client, reference_run.info.run_id).items()}
+
+    home, rng = project / "checkpoints" / "demo", random.Random(0)
+    for attempt in range(3):
+        process = start(project, *settings, *(["resume=last"] if attempt else []))
+        wait_for_a_save(home, process)
+        time.sleep(rng.uniform(0.0, 0.5))
+        process.send_signal(signal.SIGKILL)
+        process.communicate(timeout=60)
+    final = run_cli(project, *settings, "resume=last")
+    assert final.returncode == 0, final.stderr
+    assert "resumed at step" in final.stdout + final.stderr and "(ok)" in final.stdout + final.stderr
+
+    run_id = checkpoints.newest_valid(home)[1]["mlflow_run_id"]
+    logged = losses(client, run_id)
+    assert max(logged) == 600
+    mismatched = {step: values for step, values in logged.items() if any(value != expected[step] for value in values)}
+    assert mismatched == {}

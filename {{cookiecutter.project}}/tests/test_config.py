@@ -1,0 +1,72 @@
+"""The configs tree composes in every combination, and the schemas reject bad input early."""
+
+import itertools
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from {{cookiecutter.package}}.config import check_values
+from {{cookiecutter.package}}.errors import RunError
+
+GROUPS = {
+    "device": ["cpu", "cuda", "xpu", "auto"],
+    "amp": ["off", "bf16", "fp16"],
+    "optimizer": ["adamw", "sgd"],
+    "scheduler": ["constant", "cosine"],
+}
+
+
+@pytest.mark.parametrize("choice", list(itertools.product(*GROUPS.values())), ids="-".join)
+def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
+    cfg = make_cfg(*(f"{group}={option}" for group, option in zip(GROUPS, choice)))
+    assert cfg.device.type == choice[0]
+    assert isinstance(cfg.amp.enabled, bool) and cfg.amp.enabled == (choice[1] != "off")
+    assert cfg.optimizer.name == choice[2]
+    assert isinstance(cfg.optimizer.lr, float)
+    assert cfg.scheduler.name == choice[3]
+
+
+def test_amp_off_is_the_string_option_not_a_yaml_boolean(make_cfg):
+    cfg = make_cfg()
+    assert cfg.amp.enabled is False and cfg.amp.dtype == "bfloat16"
+
+
+def test_boolean_override_false_is_false(make_cfg):
+    assert make_cfg("amp=bf16", "amp.enabled=False").amp.enabled is False
+
+
+def test_accelerator_configs_pin_memory_and_name_their_backend(make_cfg):
+    assert make_cfg("device=cuda").device.backend == "nccl"
+    assert make_cfg("device=xpu").device.backend == "xccl"
+    assert make_cfg("device=cpu").device.backend == "gloo"
+    assert make_cfg("device=cuda").device.pin_memory is True
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=abc", "could not be converted to Float"),
+        ("amp.enabled=maybe", "is not a valid bool"),
+        ("optimizer.lrr=1", "Key 'lrr' not in 'OptimizerConfig'"),
+        ("device=tpu", "Could not find 'device/tpu'"),
+        ("trainer.max_steps=many", "could not be converted to Integer"),
+    ],
+)
+def test_bad_values_and_misspelt_keys_fail_at_composition(make_cfg, override, message):
+    with pytest.raises((ConfigCompositionException, ValidationError)) as raised:
+        make_cfg(override)
+    assert message in str(raised.value) + str(raised.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("checkpoint.keep_last=0", "checkpoint.keep_last=0 must be at least 1"),
+        ("trainer.max_steps=-1", "trainer.max_steps=-1 must not be negative"),
+        ("checkpoint.continuity.on_mismatch=ignore", "must be warn or error"),
+    ],
+)
+def test_out_of_range_values_are_named_before_any_work(make_cfg, override, message):
+    with pytest.raises(RunError, match=message):
+        check_values(make_cfg(override))

@@ -1,0 +1,175 @@
+"""A resumed run continues exactly: the same `train/loss` at every step as a run never stopped."""
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from conftest import losses
+from torch import nn
+
+from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.devices import audit_placement
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.model import build_model
+from {{cookiecutter.package}}.optimizers import build_optimizer, build_scheduler
+from {{cookiecutter.package}}.precision import build_scaler
+from {{cookiecutter.package}}.tracking import Tracker
+
+# 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
+STOP_AT, MAX_STEPS = 30, 60
+
+
+@pytest.fixture
+def sigterm_at(monkeypatch):
+    """Sends this process SIGTERM during training step `step`, as a cluster scheduler would."""
+
+    def arm(step: int) -> None:
+        calls = []
+        real_step = recipe.train_step
+
+        def step_then_signal(*args):
+            loss = real_step(*args)
+            calls.append(1)
+            if len(calls) == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+
+        monkeypatch.setattr(recipe, "train_step", step_then_signal)
+
+    return arm
+
+
+def run_id_of(checkpoint_dir) -> str:
+    return checkpoints.newest_valid(checkpoint_dir)[1]["mlflow_run_id"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["optimizer=adamw", "amp=off"],
+        ["optimizer=adamw", "amp=bf16"],
+        ["optimizer=sgd", "amp=off"],
+        ["optimizer=sgd", "amp=bf16"],
+        ["optimizer=adamw", "optimizer.fused=true"],
+    ],
+    ids=" ".join,
+)
+def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bit(
+    make_cfg, client, checkpoint_dir, tmp_path, monkeypatch, sigterm_at, settings
+):
+    common = [*settings, f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=25"]
+    reference = recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'reference'}"))
+    expected = losses(client, reference["run_id"])
+    assert sorted(expected) == list(range(1, MAX_STEPS + 1))
+
+    sigterm_at(STOP_AT)
+    with pytest.raises(SystemExit) as stopped:
+        recipe.train(make_cfg(*common))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    path, saved = checkpoints.newest_valid(checkpoint_dir)
+    assert (saved["step"], saved["data_position"]) == (STOP_AT, {"epoch": 1, "batch": 8})
+    monkeypatch.undo()
+
+    resumed = recipe.train(make_cfg(*common, "resume=last"))
+    assert resumed["run_id"] == saved["mlflow_run_id"], "the resume continues the same MLflow run"
+    assert losses(client, resumed["run_id"]) == expected
+    assert resumed["val/loss"] == reference["val/loss"]
+
+
+def test_the_restore_in_the_recipe_lands_every_tensor_on_the_target_device(make_cfg, checkpoint_dir):
+    """The recipe's own restore, on the `meta` stand-in: optimizer state follows the parameters."""
+    cfg = make_cfg("trainer.max_steps=10", "mlflow.enabled=false")
+    recipe.train(cfg)
+    _, saved = checkpoints.newest_valid(checkpoint_dir)
+    meta = torch.device("meta")
+    model = build_model(cfg.model, 64, 10).to(meta)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    run = recipe.Run(
+        cfg, meta, model, nn.CrossEntropyLoss(), optimizer, build_scheduler(cfg.scheduler, optimizer, 10),
+        build_scaler(cfg.amp, meta), Tracker(cfg.mlflow),
+    )  # fmt: skip
+    recipe.restore(run, saved)
+    audit_placement(meta, run.model, run.optimizer, run.scaler)
+    exp_avg = run.optimizer.state[run.model.head.weight]["exp_avg"]
+    assert exp_avg.device == meta and exp_avg.shape == (10, 64)
+
+
+def test_resume_with_a_new_learning_rate_applies_it_and_says_so(make_cfg, client, caplog):
+    first = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=20"))
+    assert losses(client, first["run_id"], "train/lr")[20] == [3e-3]
+    with caplog.at_level(logging.INFO):
+        resumed = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=30", "optimizer.lr=1e-4", "resume=last"))
+    assert losses(client, resumed["run_id"], "train/lr")[21] == [1e-4]
+    assert "resuming with changed settings: optimizer.lr 0.003 -> 0.0001" in caplog.text
+    tags = client.get_run(resumed["run_id"]).data.tags
+    assert tags["resume.1.optimizer.lr"] == "0.0001" and tags["resumes"] == "1"
+
+
+def test_resume_into_a_changed_model_names_the_mismatching_keys(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg("trainer.max_steps=20", "mlflow.enabled=false", "model.hidden_sizes=[32]", "resume=last"))
+    message = str(raised.value)
+    assert "the checkpoint does not fit this model" in message
+    assert "not in this model: body.3.bias, body.3.weight" in message
+    assert "body.0.weight (128, 64) in the checkpoint vs (32, 64) now" in message
+
+
+def test_resume_with_another_optimizer_type_fails_clearly(make_cfg):
+    recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    with pytest.raises(RunError, match="trained with optimizer=adamw, this run asks for optimizer=sgd"):
+        recipe.train(make_cfg("trainer.max_steps=20", "mlflow.enabled=false", "optimizer=sgd", "resume=last"))
+
+
+@pytest.mark.parametrize(
+    "before, after, note",
+    [
+        ("fp16", "off", "GradScaler state is not needed and is skipped"),
+        ("off", "fp16", "starting a fresh GradScaler"),
+    ],
+)
+def test_amp_switched_between_fp16_and_off_across_a_resume_works(make_cfg, client, caplog, before, after, note):
+    recipe.train(make_cfg(f"amp={before}", "trainer.max_steps=20"))
+    with caplog.at_level(logging.INFO):
+        resumed = recipe.train(make_cfg(f"amp={after}", "trainer.max_steps=30", "resume=last"))
+    assert note in caplog.text
+    assert sorted(losses(client, resumed["run_id"])) == list(range(1, 31))
+    assert client.get_run(resumed["run_id"]).data.tags["continuity"] == "ok"  # within rtol across dtypes
+
+
+def test_a_fp16_checkpoint_carries_the_scaler_state(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg("amp=fp16", "trainer.max_steps=10", "mlflow.enabled=false"))
+    scaler = checkpoints.newest_valid(checkpoint_dir)[1]["scaler"]
+    assert scaler["scale"] > 0 and "_growth_tracker" in scaler
+
+
+def test_a_fresh_run_refuses_to_overwrite_an_experiments_checkpoints(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    before = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()}
+    with pytest.raises(RunError, match="already holds checkpoints of experiment 'demo'; continue them with resume=last"):
+        recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()} == before
+
+
+def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_not(make_cfg, caplog):
+    with caplog.at_level(logging.INFO):
+        first = recipe.train(make_cfg("trainer.max_steps=10", "resume=auto"))
+        assert "resume=auto: no checkpoint" in caplog.text
+        second = recipe.train(make_cfg("trainer.max_steps=20", "resume=auto"))
+    assert second["run_id"] == first["run_id"] and second["step"] == 20
+
+
+def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cfg, checkpoint_dir, client, caplog):
+    recipe.train(make_cfg("trainer.max_steps=10"))
+    path, saved = checkpoints.newest_valid(checkpoint_dir)
+    saved["probe"]["loss"] += 0.5  # as if the weights had not been restored faithfully
+    checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
+    with pytest.raises(RunError, match=r"resumed at step 10 on cpu: loss at save .* \(mismatch\)"):
+        recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error"))
+    with caplog.at_level(logging.WARNING):
+        resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last"))
+    assert "(mismatch): exact match expected on the same device and dtype" in caplog.text
+    assert client.get_run(resumed["run_id"]).data.tags["continuity"] == "mismatch"
