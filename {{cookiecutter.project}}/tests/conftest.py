@@ -71,7 +71,12 @@ def project(tmp_path: Path) -> Path:
 def start(project: Path, *overrides: str, **popen) -> subprocess.Popen:
     """`python run.py ...` in `project`, as a person would type it."""
     return subprocess.Popen(
-        [sys.executable, "run.py", *overrides], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        [sys.executable, "run.py", *overrides],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
     )
 
 

@@ -121,7 +121,12 @@ def test_sigterm_saves_the_current_step_and_resume_last_continues_from_it(projec
 def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run(project):
     """Saves every 3 steps, so some kills land mid-save; every resume must find a valid checkpoint
     and every loss logged after it must equal the unbroken run's."""
-    settings = ["trainer.max_steps=600", "checkpoint.every_n_steps=3", "checkpoint.keep_last=2", "trainer.log_every_n_steps=1"]
+    settings = [
+        "trainer.max_steps=600",
+        "checkpoint.every_n_steps=3",
+        "checkpoint.keep_last=2",
+        "trainer.log_every_n_steps=1",
+    ]
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     reference = run_cli(project, *settings, "experiment=reference")
     assert reference.returncode == 0, reference.stderr

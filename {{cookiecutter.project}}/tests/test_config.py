@@ -19,7 +19,7 @@ GROUPS = {
 
 @pytest.mark.parametrize("choice", list(itertools.product(*GROUPS.values())), ids="-".join)
 def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
-    cfg = make_cfg(*(f"{group}={option}" for group, option in zip(GROUPS, choice)))
+    cfg = make_cfg(*(f"{group}={option}" for group, option in zip(GROUPS, choice, strict=True)))
     assert cfg.device.type == choice[0]
     assert isinstance(cfg.amp.enabled, bool) and cfg.amp.enabled == (choice[1] != "off")
     assert cfg.optimizer.name == choice[2]

@@ -78,7 +78,9 @@ def test_a_missing_accelerator_is_one_line_naming_what_torch_reports_and_the_fix
 
 def test_too_few_devices_names_the_count(fake_accelerators):
     fake_accelerators(cuda=1)
-    with pytest.raises(RunError, match=r"device.index=3 .* torch.cuda.device_count\(\) is 1; pick an index from 0 to 0"):
+    with pytest.raises(
+        RunError, match=r"device.index=3 .* torch.cuda.device_count\(\) is 1; pick an index from 0 to 0"
+    ):
         resolve_device(device_cfg("cuda", 3))
 
 
@@ -163,7 +165,9 @@ def test_buffers_are_audited_too():
     model = small_model().to(META)
     model[1].running_mean = torch.zeros(8)
     with pytest.raises(RunError, match="model.1.running_mean is on cpu"):
-        audit_placement(META, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False))
+        audit_placement(
+            META, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False)
+        )
 
 
 def test_cpu_step_counters_pass_only_where_the_optimizer_keeps_them_there():

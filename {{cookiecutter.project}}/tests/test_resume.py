@@ -101,7 +101,9 @@ def test_resume_with_a_new_learning_rate_applies_it_and_says_so(make_cfg, client
     first = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=20"))
     assert losses(client, first["run_id"], "train/lr")[20] == [3e-3]
     with caplog.at_level(logging.INFO):
-        resumed = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=30", "optimizer.lr=1e-4", "resume=last"))
+        resumed = recipe.train(
+            make_cfg("scheduler=constant", "trainer.max_steps=30", "optimizer.lr=1e-4", "resume=last")
+        )
     assert losses(client, resumed["run_id"], "train/lr")[21] == [1e-4]
     assert "resuming with changed settings: optimizer.lr 0.003 -> 0.0001" in caplog.text
     tags = client.get_run(resumed["run_id"]).data.tags
@@ -149,7 +151,9 @@ def test_a_fp16_checkpoint_carries_the_scaler_state(make_cfg, checkpoint_dir):
 def test_a_fresh_run_refuses_to_overwrite_an_experiments_checkpoints(make_cfg, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
     before = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()}
-    with pytest.raises(RunError, match="already holds checkpoints of experiment 'demo'; continue them with resume=last"):
+    with pytest.raises(
+        RunError, match="already holds checkpoints of experiment 'demo'; continue them with resume=last"
+    ):
         recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
     assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()} == before
 

@@ -15,7 +15,7 @@ import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import BinaryIO
 
 import torch
 
@@ -73,7 +73,7 @@ def load(path: Path) -> dict:
     return state
 
 
-def find(resume: Optional[str], home: Path) -> Optional[tuple[Path, dict]]:
+def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
     """What `resume=` names, loaded: None (start fresh), `last`, `auto` or a path.
 
     `last` and `auto` take the newest checkpoint in `home` that loads; `last` fails when there is
@@ -95,14 +95,16 @@ def find(resume: Optional[str], home: Path) -> Optional[tuple[Path, dict]]:
     if path.is_dir():
         found = newest_valid(path)
         if found is None:
-            raise RunError(f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last")
+            raise RunError(
+                f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last"
+            )
         return found
     if path.is_file():
         return path, load(path)
     raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
 
 
-def newest_valid(home: Path) -> Optional[tuple[Path, dict]]:
+def newest_valid(home: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint in `home` that loads, falling back, with a warning, past damaged ones.
 
     It goes by the step numbers in the file names, not by the `latest` pointer (which is there

@@ -7,7 +7,6 @@ run at composition time, before any work starts, with Hydra's own message.
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -39,9 +38,9 @@ class OptimizerConfig:
     name: str = MISSING  # adamw | sgd
     lr: float = MISSING
     weight_decay: float = 0.0
-    betas: Optional[List[float]] = None  # adamw
-    fused: Optional[bool] = None  # adamw; None lets torch choose
-    momentum: Optional[float] = None  # sgd
+    betas: list[float] | None = None  # adamw
+    fused: bool | None = None  # adamw; None lets torch choose
+    momentum: float | None = None  # sgd
     nesterov: bool = False  # sgd
 
 
@@ -78,7 +77,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    hidden_sizes: List[int] = MISSING
+    hidden_sizes: list[int] = MISSING
     dropout: float = 0.0
 
 
@@ -87,7 +86,7 @@ class MlflowConfig:
     enabled: bool = MISSING
     tracking_uri: str = MISSING
     experiment_name: str = MISSING
-    run_name: Optional[str] = None
+    run_name: str | None = None
 
 
 @dataclass
@@ -110,7 +109,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: str = MISSING
     seed: int = MISSING
-    resume: Optional[str] = None  # null | last | auto | <path to a checkpoint file or folder>
+    resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
 
 
 def project_root() -> str:
@@ -136,7 +135,9 @@ def check_values(cfg: Config) -> None:
     if cfg.trainer.max_steps < 0:
         problems.append(f"trainer.max_steps={cfg.trainer.max_steps} must not be negative")
     if cfg.checkpoint.continuity.on_mismatch not in ("warn", "error"):
-        problems.append(f"checkpoint.continuity.on_mismatch={cfg.checkpoint.continuity.on_mismatch} must be warn or error")
+        problems.append(
+            f"checkpoint.continuity.on_mismatch={cfg.checkpoint.continuity.on_mismatch} must be warn or error"
+        )
     if problems:
         raise RunError("; ".join(problems))
 

@@ -22,7 +22,9 @@ def resolve_device(cfg: DeviceConfig) -> torch.device:
     if cfg.type == "cpu":
         return torch.device("cpu")
     if cfg.type not in ACCELERATORS:
-        raise RunError(f"device.type={cfg.type!r} is not a device this project knows; use device=cpu, cuda, xpu or auto")
+        raise RunError(
+            f"device.type={cfg.type!r} is not a device this project knows; use device=cpu, cuda, xpu or auto"
+        )
     backend = getattr(torch, cfg.type)
     if not backend.is_available():
         raise RunError(
@@ -70,7 +72,9 @@ def audit_placement(
         cpu_step_allowed = not (group.get("fused") or group.get("capturable"))
         for param in group["params"]:
             if param not in names:
-                misplaced_state.append(f"the optimizer holds a {tuple(param.shape)} parameter on {param.device} that the model no longer has")
+                misplaced_state.append(
+                    f"the optimizer holds a {tuple(param.shape)} parameter on {param.device} that the model no longer has"
+                )
                 continue
             for key, value in optimizer.state.get(param, {}).items():
                 if not torch.is_tensor(value) or _on(value, device):
@@ -79,14 +83,18 @@ def audit_placement(
                     continue
                 misplaced_state.append(f"optimizer state {key!r} of model.{names[param]} is on {value.device}")
     scaler_device = getattr(scaler, "_device", device.type)
-    misplaced_scaler = [] if not scaler.is_enabled() or scaler_device == device.type else [f"GradScaler is for {scaler_device}"]
+    misplaced_scaler = (
+        [] if not scaler.is_enabled() or scaler_device == device.type else [f"GradScaler is for {scaler_device}"]
+    )
 
     problems = misplaced_model + misplaced_state + misplaced_scaler
     if not problems:
         return
     hints = []
     if misplaced_model:
-        hints.append("a submodule was created or replaced after model.to(device): build the whole model before moving it")
+        hints.append(
+            "a submodule was created or replaced after model.to(device): build the whole model before moving it"
+        )
     if misplaced_state:
         hints.append(
             "the optimizer was built, or its state loaded, before the model moved: "
@@ -94,7 +102,9 @@ def audit_placement(
         )
     if misplaced_scaler:
         hints.append("the GradScaler was built for another device type")
-    raise RunError(f"{len(problems)} tensor(s) not on {device}: {'; '.join(problems)}. Likely cause: {'; '.join(hints)}")
+    raise RunError(
+        f"{len(problems)} tensor(s) not on {device}: {'; '.join(problems)}. Likely cause: {'; '.join(hints)}"
+    )
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> bool:

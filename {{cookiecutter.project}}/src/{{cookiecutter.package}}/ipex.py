@@ -21,6 +21,8 @@ def ipex_optimize(model: nn.Module, optimizer: torch.optim.Optimizer, amp: AmpCo
     try:
         import intel_extension_for_pytorch as ipex
     except ImportError as error:
-        raise RunError(f"device.ipex=true but IPEX does not import ({error}); pip install -e '.[ipex]', or drop device.ipex") from None
+        raise RunError(
+            f"device.ipex=true but IPEX does not import ({error}); pip install -e '.[ipex]', or drop device.ipex"
+        ) from None
     dtype = torch.bfloat16 if amp.enabled and amp.dtype == "bfloat16" else None
     return ipex.optimize(model, optimizer=optimizer, dtype=dtype)

@@ -54,6 +54,7 @@ def restore_optimization(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, 
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     scheduler.base_lrs = [group["initial_lr"] for group in configured]
-    for group, wanted, base_lr, factor in zip(optimizer.param_groups, configured, scheduler.base_lrs, scheduler.lr_lambdas):
+    schedule = zip(optimizer.param_groups, configured, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    for group, wanted, base_lr, factor in schedule:
         group.update({key: value for key, value in wanted.items() if key != "lr"})
         group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -5,7 +5,6 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +16,7 @@ class Preemption:
     once, for a person who really means it."""
 
     def __init__(self) -> None:
-        self.received: Optional[signal.Signals] = None
+        self.received: signal.Signals | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "Preemption":
@@ -29,7 +28,7 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum)

@@ -32,7 +32,10 @@ def restore_rng(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     np.random.set_state(
-        {**numpy_state, "state": {**numpy_state["state"], "key": np.array(numpy_state["state"]["key"], dtype=np.uint32)}}
+        {
+            **numpy_state,
+            "state": {**numpy_state["state"], "key": np.array(numpy_state["state"]["key"], dtype=np.uint32)},
+        }
     )
     torch.set_rng_state(state["torch"])
     accelerator = state.get("accelerator")

@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -34,10 +33,10 @@ class Tracker:
     """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`."""
 
     def __init__(self, cfg: MlflowConfig) -> None:
-        self.run_id: Optional[str] = None
+        self.run_id: str | None = None
         self._cfg = cfg
-        self._client: Optional[MlflowClient] = None
-        self._sender: Optional[_MetricSender] = None
+        self._client: MlflowClient | None = None
+        self._sender: _MetricSender | None = None
 
     def start(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
         """A new run, with the flattened config as params and the resolved config as an artifact."""
@@ -50,7 +49,7 @@ class Tracker:
         self._sender = _MetricSender(self._client, self.run_id)
 
     def reattach(
-        self, run_id: Optional[str], params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
+        self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
     ) -> None:
         """Continues the run a checkpoint was written by, so its curves stay one line in the UI.
 
@@ -72,7 +71,9 @@ class Tracker:
         self._client.update_run(run_id, status="RUNNING")
         resumes = int(run.data.tags.get("resumes", "0")) + 1
         old_params = run.data.params
-        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old_params.get(key, value) != value}
+        changed = {
+            f"resume.{resumes}.{key}": value for key, value in params.items() if old_params.get(key, value) != value
+        }
         self._log_params({key: value for key, value in params.items() if key not in old_params})
         self.set_tags({**tags, **changed, "resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint})
         self._sender = _MetricSender(self._client, run_id)
@@ -111,7 +112,9 @@ class Tracker:
         experiment = self._client.get_experiment_by_name(self._cfg.experiment_name)
         if experiment is not None:
             return experiment.experiment_id
-        return self._client.create_experiment(self._cfg.experiment_name, artifact_location=_artifact_location(self._cfg))
+        return self._client.create_experiment(
+            self._cfg.experiment_name, artifact_location=_artifact_location(self._cfg)
+        )
 
     def _log_params(self, params: dict[str, str]) -> None:
         items = [Param(key, value) for key, value in params.items()]
@@ -119,7 +122,7 @@ class Tracker:
             self._client.log_batch(self.run_id, params=items[start : start + 100])
 
 
-def _artifact_location(cfg: MlflowConfig) -> Optional[str]:
+def _artifact_location(cfg: MlflowConfig) -> str | None:
     """Artifacts beside an embedded sqlite store, not in whatever folder the job started from.
     A server decides for itself."""
     prefix = "sqlite:///"

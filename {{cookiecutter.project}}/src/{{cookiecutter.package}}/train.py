@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -31,9 +30,6 @@ from .precision import describe as describe_amp
 from .preemption import Preemption
 from .seeding import capture_rng, restore_rng, seed_everything
 from .tracking import Tracker
-{%- if cookiecutter.ipex %}
-from .ipex import ipex_optimize
-{%- endif %}
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +114,13 @@ def train(cfg: Config) -> dict:
         position, step = Position(**saved["data_position"]), saved["step"]
         probe = Probe.of(data.val, saved["probe"]["indices"])
 {%- if cookiecutter.ipex %}
-
     # 6. IPEX rewrites model and optimizer: it must see the restored state, and what it returns
     #    replaces them.
     if cfg.device.ipex:
+        from .ipex import ipex_optimize  # only here: IPEX pins torch 2.8, most runs never load it
+
         run.model, run.optimizer = ipex_optimize(run.model, run.optimizer, cfg.amp)
 {%- endif %}
-
     # 7. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
     audit_placement(device, run.model, run.optimizer, run.scaler)
 
@@ -161,7 +157,9 @@ def train(cfg: Config) -> dict:
                         "train/step_time_ms": 1000 * seconds * len(inputs) / window_samples,
                     }
                     run.tracker.log_metrics(metrics, step)
-                    bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
+                    bar.set_postfix(
+                        loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}"
+                    )
                     window_start, window_samples = time.perf_counter(), 0
                 if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
                     run.tracker.log_metrics(evaluate(run, data.val), step)
@@ -188,7 +186,10 @@ def train(cfg: Config) -> dict:
 
 def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     non_blocking = run.cfg.device.non_blocking
-    inputs, targets = inputs.to(run.device, non_blocking=non_blocking), targets.to(run.device, non_blocking=non_blocking)
+    inputs, targets = (
+        inputs.to(run.device, non_blocking=non_blocking),
+        targets.to(run.device, non_blocking=non_blocking),
+    )
     with autocast(run.cfg.amp, run.device):
         loss = run.criterion(run.model(inputs), targets)
     run.scaler.scale(loss).backward()  # scale and step are pass-throughs when the scaler is off
@@ -295,7 +296,11 @@ def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 def report_changes(saved: dict, current: dict) -> dict[str, str]:
     """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said."""
     before, after = flatten(saved), flatten(current)
-    changed = {key: f"{before.get(key)} -> {value}" for key, value in after.items() if key != "resume" and before.get(key) != value}
+    changed = {
+        key: f"{before.get(key)} -> {value}"
+        for key, value in after.items()
+        if key != "resume" and before.get(key) != value
+    }
     if changed:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
     return changed
