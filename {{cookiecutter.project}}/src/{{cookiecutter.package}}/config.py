@@ -87,6 +87,7 @@ class MlflowConfig:
     tracking_uri: str = MISSING
     experiment_name: str = MISSING
     run_name: str | None = None
+    system_metrics: bool = False  # CPU, memory, disk, network and GPU as system/* metrics (needs psutil)
 
 
 @dataclass

@@ -2,10 +2,14 @@
 training thread.
 
 A synchronous `log_metric` into the sqlite store costs about 12 ms, twenty demo training steps;
-so metrics go into a queue, and a background thread sends them in batches. A tracking server that
-is down costs a warning, never the run.
+so metrics go into a queue, and a background thread sends them in batches. A tracking store that
+is down costs a warning, never the run: metrics wait and are retried, and what never got through
+is written to a file that `python -m <package>.tracking FILE` sends later.
 """
 
+import argparse
+import importlib.util
+import json
 import logging
 import os
 import queue
@@ -18,35 +22,40 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
 from .config import MlflowConfig
+from .errors import RunError
 
 log = logging.getLogger(__name__)
 
 # MLflow's HTTP client retries with exponential backoff: with the server gone, one call could
 # block for minutes. Bounded here; a user's own setting wins.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 BATCH_LIMIT = 1000  # metrics per log_batch call, MLflow's own limit
+RETRY_SECONDS = 2.0  # how long metrics wait before the next try at a store that failed
+CLOSE_SECONDS = 30.0  # how long the end of a run waits for queued metrics to go out
 
 
 class Tracker:
-    """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`."""
+    """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`, or once
+    the store has proved unreachable at the start."""
 
-    def __init__(self, cfg: MlflowConfig) -> None:
+    def __init__(self, cfg: MlflowConfig, spill_dir: Path) -> None:
+        if cfg.enabled and cfg.system_metrics and importlib.util.find_spec("psutil") is None:
+            raise RunError(
+                "mlflow.system_metrics=true needs psutil: pip install -e '.[system-metrics]', "
+                "or drop mlflow.system_metrics"
+            )
         self.run_id: str | None = None
-        self._cfg = cfg
+        self._cfg, self._spill_dir = cfg, spill_dir
         self._client: MlflowClient | None = None
         self._sender: _MetricSender | None = None
+        self._monitor = None
 
     def start(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
         """A new run, with the flattened config as params and the resolved config as an artifact."""
-        if not self._connect():
-            return
-        run = self._client.create_run(self._experiment_id(), run_name=self._cfg.run_name, tags=tags)
-        self.run_id = run.info.run_id
-        self._log_params(params)
-        self._client.log_text(self.run_id, config_yaml, "config.yaml")
-        self._sender = _MetricSender(self._client, self.run_id)
+        if self._connect():
+            self._guarded(self._create, params, tags, config_yaml)
 
     def reattach(
         self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
@@ -57,26 +66,8 @@ class Tracker:
         `resume.<n>.<key>`. A run missing from this store (a copied checkpoint, a new store)
         gets a new run, tagged with the checkpoint it continues.
         """
-        if not self._connect():
-            return
-        try:
-            run = self._client.get_run(run_id) if run_id else None
-        except MlflowException:
-            run = None
-        if run is None:
-            log.info(f"MLflow run {run_id} is not in {self._cfg.tracking_uri}; continuing in a new run")
-            self.start(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
-            return
-        self.run_id = run_id
-        self._client.update_run(run_id, status="RUNNING")
-        resumes = int(run.data.tags.get("resumes", "0")) + 1
-        old_params = run.data.params
-        changed = {
-            f"resume.{resumes}.{key}": value for key, value in params.items() if old_params.get(key, value) != value
-        }
-        self._log_params({key: value for key, value in params.items() if key not in old_params})
-        self.set_tags({**tags, **changed, "resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint})
-        self._sender = _MetricSender(self._client, run_id)
+        if self._connect():
+            self._guarded(self._continue, run_id, params, tags, config_yaml, checkpoint)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queues metrics; returns at once."""
@@ -84,29 +75,82 @@ class Tracker:
             self._sender.put(metrics, step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        if self._client is not None and self.run_id is not None:
-            for key, value in tags.items():
-                self._client.set_tag(self.run_id, key, value)
+        if self.run_id is not None:
+            try:
+                for key, value in tags.items():
+                    self._client.set_tag(self.run_id, key, value)
+            except Exception as error:  # a store that is down must not end the run
+                log.warning(f"could not tag MLflow run {self.run_id}: {_first_line(error)}")
 
     def flush(self) -> None:
+        """Waits, briefly, until queued metrics are in the store; not at all while it is down."""
         if self._sender is not None:
             self._sender.flush()
 
     def finish(self, status: str) -> None:
         """Sends what is queued and ends the run as FINISHED, KILLED or FAILED."""
-        if self._sender is None:
+        if self.run_id is None:
             return
+        if self._monitor is not None:
+            self._monitor.finish()
         self._sender.close()
         try:
             self._client.set_terminated(self.run_id, status=status)
         except Exception as error:  # the server may be gone; the run itself is done
-            log.warning(f"could not mark MLflow run {self.run_id} {status}: {error}")
+            log.warning(f"could not mark MLflow run {self.run_id} {status}: {_first_line(error)}")
 
     def _connect(self) -> bool:
         """Opens the store only when a run starts: a run that fails its preflight leaves no trace."""
         if self._cfg.enabled and self._client is None:
             self._client = MlflowClient(tracking_uri=self._cfg.tracking_uri)
         return self._client is not None
+
+    def _guarded(self, open_run, *args) -> None:
+        try:
+            open_run(*args)
+        except Exception as error:  # whatever the store raises, training does not depend on it
+            log.warning(
+                f"MLflow at {self._cfg.tracking_uri} is not reachable ({_first_line(error)}); "
+                f"training goes on without tracking"
+            )
+            self.run_id, self._client = None, None
+
+    def _create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
+        run = self._client.create_run(self._experiment_id(), run_name=self._cfg.run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self._log_params(params)
+        self._client.log_text(self.run_id, config_yaml, "config.yaml")
+        self._start_logging(resumed=False)
+
+    def _continue(
+        self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
+    ) -> None:
+        try:
+            run = self._client.get_run(run_id) if run_id else None
+        except MlflowException:
+            run = None
+        if run is None:
+            log.info(f"MLflow run {run_id} is not in {self._cfg.tracking_uri}; continuing in a new run")
+            self._create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
+            return
+        self.run_id = run_id
+        self._client.update_run(run_id, status="RUNNING")
+        resumes = int(run.data.tags.get("resumes", "0")) + 1
+        old = run.data.params
+        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
+        self._log_params({key: value for key, value in params.items() if key not in old})
+        self.set_tags({**tags, **changed, "resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint})
+        self._start_logging(resumed=True)
+
+    def _start_logging(self, resumed: bool) -> None:
+        self._sender = _MetricSender(self._client, self.run_id, self._spill_dir / f"unsent-metrics-{self.run_id}.jsonl")
+        if self._cfg.system_metrics:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(
+                self.run_id, resume_logging=resumed, tracking_uri=self._cfg.tracking_uri
+            )
+            self._monitor.start()
 
     def _experiment_id(self) -> str:
         experiment = self._client.get_experiment_by_name(self._cfg.experiment_name)
@@ -131,15 +175,23 @@ def _artifact_location(cfg: MlflowConfig) -> str | None:
     return (Path(cfg.tracking_uri[len(prefix) :]).parent / "mlruns").as_uri()
 
 
-class _MetricSender:
-    """A queue and a thread that drains it into `log_batch` calls. Metrics that fail to send stay
-    pending and go with the next batch."""
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    def __init__(self, client, run_id: str) -> None:
-        self._client, self._run_id = client, run_id
+
+class _MetricSender:
+    """A queue and a thread that drains it into `log_batch` calls.
+
+    When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`; what is
+    still pending when the run ends goes to `spill`, a JSON-lines file.
+    """
+
+    def __init__(self, client: MlflowClient, run_id: str, spill: Path) -> None:
+        self._client, self._run_id, self._spill = client, run_id, spill
         self._queue: queue.Queue = queue.Queue()
-        self._pending: list = []
-        self._warned = False
+        self._pending: list[Metric] = []
+        self._retry_at: float | None = None  # set while the store is failing
         self._thread = threading.Thread(target=self._work, name="mlflow-metrics", daemon=True)
         self._thread.start()
 
@@ -148,38 +200,82 @@ class _MetricSender:
         for key, value in metrics.items():
             self._queue.put(Metric(key, float(value), timestamp, step))
 
-    def flush(self, timeout: float = 60.0) -> None:
+    def flush(self, timeout: float = 10.0) -> None:
+        if self._retry_at is not None:
+            return
         done = threading.Event()
         self._queue.put(done)
         done.wait(timeout)
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=60.0)
-        if self._pending:
-            log.warning(f"{len(self._pending)} metrics could not be sent to MLflow run {self._run_id}")
+        self._thread.join(timeout=CLOSE_SECONDS)
+        unsent = list(self._pending) + [item for item in list(self._queue.queue) if isinstance(item, Metric)]
+        if not unsent:
+            return
+        self._spill.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._spill, "a") as file:
+            for metric in unsent:
+                row = {"run_id": self._run_id, "key": metric.key, "value": metric.value, "step": metric.step}
+                file.write(json.dumps({**row, "timestamp": metric.timestamp}) + "\n")
+        log.warning(
+            f"{len(unsent)} metrics could not reach MLflow; they are in {self._spill}. "
+            f"Send them when the store is back: python -m {__name__} {self._spill} --tracking-uri <uri>"
+        )
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None or isinstance(item, threading.Event):
+            try:
+                item = self._queue.get(timeout=RETRY_SECONDS if self._pending else None)
+            except queue.Empty:  # nothing new, but metrics still wait for the store to come back
                 self._send()
-                if item is None:
-                    return
+                continue
+            if item is None:
+                self._send(force=True)
+                return
+            if isinstance(item, threading.Event):
+                self._send()
                 item.set()
                 continue
             self._pending.append(item)
             if self._queue.empty() or len(self._pending) >= BATCH_LIMIT:
                 self._send()
 
-    def _send(self) -> None:
+    def _send(self, force: bool = False) -> None:
+        if self._retry_at is not None and time.monotonic() < self._retry_at and not force:
+            return
         while self._pending:
             batch = self._pending[:BATCH_LIMIT]
             try:
                 self._client.log_batch(self._run_id, metrics=batch)
             except Exception as error:  # any failure of the store: keep training, keep the metrics
-                if not self._warned:
-                    log.warning(f"MLflow is not taking metrics ({error}); training goes on, metrics are kept")
-                    self._warned = True
+                if self._retry_at is None:
+                    log.warning(
+                        f"MLflow is not taking metrics ({_first_line(error)}); training goes on, metrics are kept"
+                    )
+                self._retry_at = time.monotonic() + RETRY_SECONDS
                 return
             del self._pending[: len(batch)]
+        if self._retry_at is not None:
+            log.warning("MLflow is taking metrics again; the ones kept meanwhile are sent")
+            self._retry_at = None
+
+
+def replay(path: Path, tracking_uri: str) -> int:
+    """Sends a file of unsent metrics to `tracking_uri`; returns how many were sent."""
+    client, by_run = MlflowClient(tracking_uri=tracking_uri), {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        by_run.setdefault(row["run_id"], []).append(Metric(row["key"], row["value"], row["timestamp"], row["step"]))
+    for run_id, metrics in by_run.items():
+        for start in range(0, len(metrics), BATCH_LIMIT):
+            client.log_batch(run_id, metrics=metrics[start : start + BATCH_LIMIT])
+    return sum(len(metrics) for metrics in by_run.values())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Send metrics that a run could not deliver to MLflow.")
+    parser.add_argument("file", type=Path, help="an unsent-metrics-<run id>.jsonl file from the checkpoint folder")
+    parser.add_argument("--tracking-uri", required=True, help="the store the run logs to, e.g. http://127.0.0.1:5000")
+    arguments = parser.parse_args()
+    print(f"sent {replay(arguments.file, arguments.tracking_uri)} metrics to {arguments.tracking_uri}")

@@ -6,6 +6,7 @@ does; moving one is how the failures this project exists to prevent come back.
 
 import logging
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -94,7 +95,9 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg.optimizer, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     scaler = build_scaler(cfg.amp, device)
-    run = Run(cfg, device, model, criterion, optimizer, scheduler, scaler, Tracker(cfg.mlflow))
+    run = Run(
+        cfg, device, model, criterion, optimizer, scheduler, scaler, Tracker(cfg.mlflow, Path(cfg.checkpoint.dir))
+    )
 
     # 5. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
@@ -141,7 +144,8 @@ def train(cfg: Config) -> dict:
         stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
         last_saved = step if found is not None else None
         with Preemption() as preemption, tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
-            window_start, window_samples = time.perf_counter(), 0
+            first_step, started = step, time.perf_counter()
+            window_start, window_samples = started, 0
             while step < trainer.max_steps and preemption.received is None:
                 inputs, targets = next(stream)
                 loss = train_step(run, inputs, targets)
@@ -165,6 +169,7 @@ def train(cfg: Config) -> dict:
                     run.tracker.log_metrics(evaluate(run, data.val), step)
                 if step % cfg.checkpoint.every_n_steps == 0:
                     last_saved = save(run, position, step, probe)
+            steps_per_s = (step - first_step) / (time.perf_counter() - started)
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
             if last_saved != step:
@@ -181,7 +186,7 @@ def train(cfg: Config) -> dict:
         f"finished at step {step}: val/loss {val['val/loss']:.4f}, val/accuracy {val['val/accuracy']:.4f}; "
         f"checkpoint {newest}; MLflow run {run.tracker.run_id}"
     )
-    return {**val, "step": step, "run_id": run.tracker.run_id}
+    return {**val, "train/steps_per_s": steps_per_s, "step": step, "run_id": run.tracker.run_id}
 
 
 def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -345,13 +350,28 @@ def flat_params(cfg: Config) -> dict[str, str]:
 
 def comparison_tags(cfg: Config, device: torch.device) -> dict[str, str]:
     """What the MLflow UI needs to compare runs: where and how each one really ran."""
-    return {
+    tags = {
         "device": str(device),
         "device.type": device.type,
+        "device.index": str(device.index if device.index is not None else 0),
         "device.name": describe(device),
         "amp": cfg.amp.dtype if cfg.amp.enabled else "off",
         "torch": str(torch.__version__),
+{%- if cookiecutter.ipex %}
+        "ipex": str(cfg.device.ipex).lower(),
+{%- endif %}
     }
+    commit = git_commit()
+    return {**tags, "mlflow.source.git.commit": commit} if commit else tags
+
+
+def git_commit() -> str | None:
+    """The commit of the project being run, when it is a git checkout: what exactly ran."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
 
 
 def library_versions() -> dict[str, str]:
