@@ -23,7 +23,9 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def steps_per_s(folder: Path, overrides: list[str]) -> float:
     store = f"sqlite:///{folder / 'mlflow.db'}"
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose("config", [f"checkpoint.dir={folder / 'checkpoints'}", f"mlflow.tracking_uri={store}", *overrides])
+        cfg = compose(
+            "config", [f"checkpoint.dir={folder / 'checkpoints'}", f"mlflow.tracking_uri={store}", *overrides]
+        )
     return train(cfg)["train/steps_per_s"]
 
 
@@ -42,7 +44,9 @@ def main() -> None:
                 runs[name].append(steps_per_s(Path(folder), [*common, switch]))
     off, on = (statistics.median(values) for values in runs.values())
     for name, values in runs.items():
-        print(f"{name:>10}: {', '.join(f'{value:,.0f}' for value in values)} steps/s (median {statistics.median(values):,.0f})")
+        print(
+            f"{name:>10}: {', '.join(f'{value:,.0f}' for value in values)} steps/s (median {statistics.median(values):,.0f})"
+        )
     print(f"slowdown from logging every step: {off / on:.3f}x (target <= 1.05)")
 
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from {{cookiecutter.package}}.config import DeviceConfig
-from {{cookiecutter.package}}.devices import audit_placement, resolve_device
+from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, resolve_device, set_cpu_threads
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.optimizers import build_optimizer
 from {{cookiecutter.package}}.train import train
@@ -185,3 +185,14 @@ def test_a_scaler_for_another_device_type_is_caught():
     scaler = torch.amp.GradScaler("xpu")  # unlike cuda's, it stays enabled without the device
     with pytest.raises(RunError, match="GradScaler is for xpu"):
         audit_placement(torch.device("cpu"), model, torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+
+
+@pytest.mark.parametrize("asked, expected", [(0, max(1, DEFAULT_THREADS - 1)), (3, 3)])
+def test_cpu_threads_leave_a_core_free_unless_set(monkeypatch, asked, expected):
+    monkeypatch.setattr(
+        torch, "set_num_threads", lambda count: monkeypatch.setattr(torch, "get_num_threads", lambda: count)
+    )
+    config = device_cfg("cpu")
+    config.cpu_threads = asked
+    set_cpu_threads(config)
+    assert torch.get_num_threads() == expected

@@ -90,7 +90,7 @@ def test_a_server_stopped_mid_run_costs_a_warning_and_its_metrics_are_replayed_l
 
     server.start()  # the same store comes back; what the run kept goes in now
     replayed = subprocess.run(
-        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", str(spill), "--tracking-uri", server.uri],
+        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "replay", str(spill), "--tracking-uri", server.uri],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert replayed.stdout.startswith("sent ")

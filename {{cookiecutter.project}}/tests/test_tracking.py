@@ -3,7 +3,9 @@ die with, the tracking store."""
 
 import json
 import logging
+import queue
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from conftest import losses
 
 from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.tracking import _MetricSender, replay
+from {{cookiecutter.package}}.tracking import _Drain, replay
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):
@@ -97,16 +99,30 @@ class Store:
         self.batches.append(list(metrics))
 
 
-def test_logging_returns_at_once_while_the_store_hangs_and_sends_in_batches(tmp_path):
+def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None) -> None:
+    """Runs the sender loop in a thread over metrics handed over one step at a time, the way
+    the training process hands them over, then ends it; `hold` runs before the end."""
+    incoming: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_Drain(store, "run", spill, incoming).run)
+    sender.start()
+    for step, value in rows_by_step.items():
+        incoming.put([["train/loss", value, 0, step]])
+    if hold is not None:
+        hold()
+    incoming.put(None)
+    sender.join(timeout=60)
+    assert not sender.is_alive()
+
+
+def sent_steps(store: Store) -> list[int]:
+    return [metric.step for batch in store.batches for metric in batch]
+
+
+def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_in_batches(tmp_path):
     store = Store()
-    store.open.clear()  # every call to the store now hangs
-    sender = _MetricSender(store, "run", tmp_path / "unsent.jsonl")
-    for step in range(1, 501):  # returns even though nothing can be sent yet
-        sender.put({"train/loss": 1.0 / step}, step)
-    store.open.set()
-    sender.close()
-    sent = [metric for batch in store.batches for metric in batch]
-    assert [metric.step for metric in sent] == list(range(1, 501))
+    store.open.clear()  # the store hangs until released
+    drain(store, tmp_path / "unsent.jsonl", {step: 1.0 / step for step in range(1, 501)}, hold=store.open.set)
+    assert sent_steps(store) == list(range(1, 501))
     assert len(store.batches) < 50, "metrics go in batches, not one call each"
     assert not (tmp_path / "unsent.jsonl").exists()
 
@@ -115,14 +131,15 @@ def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path
     monkeypatch.setattr("{{cookiecutter.package}}.tracking.RETRY_SECONDS", 0.05)
     store = Store()
     store.failing = True
-    sender = _MetricSender(store, "run", tmp_path / "unsent.jsonl")
-    with caplog.at_level(logging.WARNING):
-        for step in range(1, 101):
-            sender.put({"train/loss": float(step)}, step)
-        sender.flush()  # returns at once: the store is down
+
+    def outage_ends() -> None:
+        time.sleep(0.3)  # a few failed tries
         store.failing = False
-        sender.close()
-    assert sorted(metric.step for batch in store.batches for metric in batch) == list(range(1, 101))
+        time.sleep(0.3)  # a retry while nothing new arrives
+
+    with caplog.at_level(logging.WARNING):
+        drain(store, tmp_path / "unsent.jsonl", {step: float(step) for step in range(1, 101)}, hold=outage_ends)
+    assert sorted(sent_steps(store)) == list(range(1, 101))
     assert caplog.text.count("MLflow is not taking metrics (server went away)") == 1
     assert "MLflow is taking metrics again" in caplog.text
 
@@ -131,14 +148,13 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
     store = Store()
     store.failing = True
     spill = tmp_path / "unsent.jsonl"
-    run_id = client.create_run(client.create_experiment("replay")).info.run_id
-    sender = _MetricSender(store, run_id, spill)
     with caplog.at_level(logging.WARNING):
-        for step in range(1, 31):
-            sender.put({"train/loss": step / 10}, step)
-        sender.close()
+        drain(store, spill, {step: step / 10 for step in range(1, 31)})
     rows = [json.loads(line) for line in spill.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 31))
     assert f"30 metrics could not reach MLflow; they are in {spill}" in caplog.text
+    assert f"python -m {{cookiecutter.package}}.tracking replay {spill}" in caplog.text
+    run_id = client.create_run(client.create_experiment("replay")).info.run_id
+    spill.write_text(spill.read_text().replace('"run_id": "run"', f'"run_id": "{run_id}"'))
     assert replay(spill, client.tracking_uri) == 30
     assert losses(client, run_id) == {step: [step / 10] for step in range(1, 31)}

@@ -22,6 +22,7 @@ class DeviceConfig:
     backend: str = MISSING  # torch.distributed backend for scale-out: gloo, nccl, xccl
     pin_memory: bool = False
     non_blocking: bool = False
+    cpu_threads: int = 0  # torch's CPU threads; 0: all cores but one, left to data loading and MLflow
 {%- if cookiecutter.ipex %}
     ipex: bool = False  # call ipex.optimize after the restore (opt-in, see src/*/ipex.py)
 {%- endif %}

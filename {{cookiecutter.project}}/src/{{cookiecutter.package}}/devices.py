@@ -10,6 +10,8 @@ from .config import DeviceConfig
 from .errors import RunError
 
 ACCELERATORS = ("cuda", "xpu")
+# One per core by default; read once, before anything changes it.
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 def resolve_device(cfg: DeviceConfig) -> torch.device:
@@ -38,6 +40,13 @@ def resolve_device(cfg: DeviceConfig) -> torch.device:
             f"{backend.device_count()}; pick an index from 0 to {backend.device_count() - 1}"
         )
     return torch.device(cfg.type, cfg.index)
+
+
+def set_cpu_threads(cfg: DeviceConfig) -> None:
+    """Leaves a core free unless told otherwise: with every core in torch's thread pool, any other
+    work (the MLflow sender, data workers) stalls the pool's spinning threads, and a 2-core
+    machine trains five times slower; a small model loses almost nothing with one thread fewer."""
+    torch.set_num_threads(cfg.cpu_threads or max(1, DEFAULT_THREADS - 1))
 
 
 def describe(device: torch.device) -> str:

@@ -1,10 +1,14 @@
-"""MLflow: one run per training job across any number of resumes, with metrics sent off the
-training thread.
+"""MLflow: one run per training job across any number of resumes, with metrics sent by another
+process.
 
-A synchronous `log_metric` into the sqlite store costs about 12 ms, twenty demo training steps;
-so metrics go into a queue, and a background thread sends them in batches. A tracking store that
-is down costs a warning, never the run: metrics wait and are retried, and what never got through
-is written to a file that `python -m <package>.tracking FILE` sends later.
+Writing a metric into the embedded sqlite store costs about 0.5 ms of Python even in batches,
+a third of a demo training step; a thread in the training process would take that time from the
+training thread through the GIL. So the training process only hands metrics over, and a child
+process (`python -m <package>.tracking drain`) sends them in batches. It runs in its own
+session, so Ctrl-C and a killed trainer leave it to finish delivering what it was handed.
+
+A store that is down costs a warning, never the run: metrics wait and are retried, and those that
+never got through are written to a file that `python -m <package>.tracking replay` sends later.
 """
 
 import argparse
@@ -13,6 +17,8 @@ import json
 import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,8 +38,9 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 BATCH_LIMIT = 1000  # metrics per log_batch call, MLflow's own limit
+HAND_OVER_EVERY = 100  # metrics the training process gathers before passing them on
 RETRY_SECONDS = 2.0  # how long metrics wait before the next try at a store that failed
-CLOSE_SECONDS = 30.0  # how long the end of a run waits for queued metrics to go out
+CLOSE_SECONDS = 60.0  # how long the end of a run waits for the sender to deliver the rest
 
 
 class Tracker:
@@ -83,7 +90,8 @@ class Tracker:
                 log.warning(f"could not tag MLflow run {self.run_id}: {_first_line(error)}")
 
     def flush(self) -> None:
-        """Waits, briefly, until queued metrics are in the store; not at all while it is down."""
+        """Hands every metric so far to the sender process, which delivers them even if this
+        process dies next; does not wait for the store."""
         if self._sender is not None:
             self._sender.flush()
 
@@ -143,7 +151,8 @@ class Tracker:
         self._start_logging(resumed=True)
 
     def _start_logging(self, resumed: bool) -> None:
-        self._sender = _MetricSender(self._client, self.run_id, self._spill_dir / f"unsent-metrics-{self.run_id}.jsonl")
+        spill = self._spill_dir / f"unsent-metrics-{self.run_id}.jsonl"
+        self._sender = _MetricSender(self._cfg.tracking_uri, self.run_id, spill)
         if self._cfg.system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -181,64 +190,73 @@ def _first_line(error: Exception) -> str:
 
 
 class _MetricSender:
-    """A queue and a thread that drains it into `log_batch` calls.
+    """The training process's end: gathers metrics and hands them, as JSON lines, to the sender
+    process through a pipe, from a thread of its own, so a full pipe never blocks training."""
 
-    When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`; what is
-    still pending when the run ends goes to `spill`, a JSON-lines file.
-    """
-
-    def __init__(self, client: MlflowClient, run_id: str, spill: Path) -> None:
-        self._client, self._run_id, self._spill = client, run_id, spill
-        self._queue: queue.Queue = queue.Queue()
-        self._pending: list[Metric] = []
-        self._retry_at: float | None = None  # set while the store is failing
-        self._thread = threading.Thread(target=self._work, name="mlflow-metrics", daemon=True)
-        self._thread.start()
+    def __init__(self, tracking_uri: str, run_id: str, spill: Path) -> None:
+        command = [sys.executable, "-m", __name__, "drain", tracking_uri, run_id, str(spill)]
+        self._child = subprocess.Popen(command, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        self._gathered: list[list] = []
+        self._batches: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write, name="mlflow-hand-over", daemon=True)
+        self._writer.start()
 
     def put(self, metrics: dict[str, float], step: int) -> None:
         timestamp = int(time.time() * 1000)
-        for key, value in metrics.items():
-            self._queue.put(Metric(key, float(value), timestamp, step))
+        self._gathered.extend([key, float(value), timestamp, step] for key, value in metrics.items())
+        if len(self._gathered) >= HAND_OVER_EVERY:
+            self.flush()
 
-    def flush(self, timeout: float = 10.0) -> None:
-        if self._retry_at is not None:
-            return
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout)
+    def flush(self) -> None:
+        if self._gathered:
+            self._batches.put(self._gathered)
+            self._gathered = []
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=CLOSE_SECONDS)
-        unsent = list(self._pending) + [item for item in list(self._queue.queue) if isinstance(item, Metric)]
-        if not unsent:
-            return
-        self._spill.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._spill, "a") as file:
-            for metric in unsent:
-                row = {"run_id": self._run_id, "key": metric.key, "value": metric.value, "step": metric.step}
-                file.write(json.dumps({**row, "timestamp": metric.timestamp}) + "\n")
-        log.warning(
-            f"{len(unsent)} metrics could not reach MLflow; they are in {self._spill}. "
-            f"Send them when the store is back: python -m {__name__} {self._spill} --tracking-uri <uri>"
-        )
+        """Hands over the rest, then waits for the sender to deliver it, up to `CLOSE_SECONDS`."""
+        self.flush()
+        self._batches.put(None)
+        self._writer.join()
+        try:
+            self._child.wait(timeout=CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            log.warning(f"MLflow is slow: process {self._child.pid} goes on delivering the last metrics")
 
-    def _work(self) -> None:
+    def _write(self) -> None:
+        try:
+            while (batch := self._batches.get()) is not None:
+                self._child.stdin.write(json.dumps(batch) + "\n")
+                self._child.stdin.flush()
+            self._child.stdin.close()  # end of input: the sender delivers the rest and exits
+        except OSError as error:  # the sender died: nothing left to hand over to
+            log.warning(f"the MLflow sender process stopped: {error}")
+
+
+class _Drain:
+    """The sender process's loop: batches from `incoming` into `log_batch` calls, in order.
+
+    When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`; what is
+    still pending when `incoming` ends (None) goes to `spill`, a JSON-lines file.
+    """
+
+    def __init__(self, client: MlflowClient, run_id: str, spill: Path, incoming: queue.Queue) -> None:
+        self._client, self._run_id, self._spill, self._incoming = client, run_id, spill, incoming
+        self._pending: list[Metric] = []
+        self._retry_at: float | None = None  # set while the store is failing
+
+    def run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=RETRY_SECONDS if self._pending else None)
+                batch = self._incoming.get(timeout=RETRY_SECONDS if self._pending else None)
             except queue.Empty:  # nothing new, but metrics still wait for the store to come back
                 self._send()
                 continue
-            if item is None:
+            if batch is None:
                 self._send(force=True)
+                self._spill_pending()
                 return
-            if isinstance(item, threading.Event):
-                self._send()
-                item.set()
-                continue
-            self._pending.append(item)
-            if self._queue.empty() or len(self._pending) >= BATCH_LIMIT:
+            self._pending.extend(Metric(*row) for row in batch)
+            if self._incoming.empty() or len(self._pending) >= BATCH_LIMIT:
                 self._send()
 
     def _send(self, force: bool = False) -> None:
@@ -248,7 +266,7 @@ class _MetricSender:
             batch = self._pending[:BATCH_LIMIT]
             try:
                 self._client.log_batch(self._run_id, metrics=batch)
-            except Exception as error:  # any failure of the store: keep training, keep the metrics
+            except Exception as error:  # any failure of the store: keep the metrics, try again later
                 if self._retry_at is None:
                     log.warning(
                         f"MLflow is not taking metrics ({_first_line(error)}); training goes on, metrics are kept"
@@ -259,6 +277,33 @@ class _MetricSender:
         if self._retry_at is not None:
             log.warning("MLflow is taking metrics again; the ones kept meanwhile are sent")
             self._retry_at = None
+
+    def _spill_pending(self) -> None:
+        if not self._pending:
+            return
+        self._spill.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._spill, "a") as file:
+            for metric in self._pending:
+                row = {"run_id": self._run_id, "key": metric.key, "value": metric.value, "step": metric.step}
+                file.write(json.dumps({**row, "timestamp": metric.timestamp}) + "\n")
+        log.warning(
+            f"{len(self._pending)} metrics could not reach MLflow; they are in {self._spill}. Send them "
+            f"when the store is back: python -m {__spec__.name} replay {self._spill} --tracking-uri <uri>"
+        )
+
+
+def drain(tracking_uri: str, run_id: str, spill: Path) -> None:
+    """The sender process: JSON lines from stdin to the store until stdin ends."""
+    logging.basicConfig(format="%(message)s", level=logging.INFO)
+    incoming: queue.Queue = queue.Queue()
+
+    def read() -> None:  # a thread, so that retries go on while no new line comes
+        for line in sys.stdin:
+            incoming.put(json.loads(line))
+        incoming.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    _Drain(MlflowClient(tracking_uri=tracking_uri), run_id, spill, incoming).run()
 
 
 def replay(path: Path, tracking_uri: str) -> int:
@@ -273,9 +318,22 @@ def replay(path: Path, tracking_uri: str) -> int:
     return sum(len(metrics) for metrics in by_run.values())
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Send metrics that a run could not deliver to MLflow.")
-    parser.add_argument("file", type=Path, help="an unsent-metrics-<run id>.jsonl file from the checkpoint folder")
-    parser.add_argument("--tracking-uri", required=True, help="the store the run logs to, e.g. http://127.0.0.1:5000")
+def main() -> None:
+    parser = argparse.ArgumentParser(description="MLflow delivery for training runs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    sender = commands.add_parser("drain", help="internal: the sender process a training run starts")
+    sender.add_argument("tracking_uri")
+    sender.add_argument("run_id")
+    sender.add_argument("spill", type=Path)
+    resend = commands.add_parser("replay", help="send metrics that a run could not deliver")
+    resend.add_argument("file", type=Path, help="an unsent-metrics-<run id>.jsonl file from the checkpoint folder")
+    resend.add_argument("--tracking-uri", required=True, help="the store the run logs to, e.g. http://127.0.0.1:5000")
     arguments = parser.parse_args()
-    print(f"sent {replay(arguments.file, arguments.tracking_uri)} metrics to {arguments.tracking_uri}")
+    if arguments.command == "drain":
+        drain(arguments.tracking_uri, arguments.run_id, arguments.spill)
+    else:
+        print(f"sent {replay(arguments.file, arguments.tracking_uri)} metrics to {arguments.tracking_uri}")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from . import checkpoints
 from .config import Config, check_values
 from .data import Position, batches, build_data, build_loader
-from .devices import audit_placement, describe, resolve_device
+from .devices import audit_placement, describe, resolve_device, set_cpu_threads
 from .errors import RunError
 from .model import build_model
 from .optimizers import build_optimizer, build_scheduler, restore_optimization
@@ -80,6 +80,7 @@ def train(cfg: Config) -> dict:
 
     # 1. The device first: a missing accelerator fails here, before anything is built.
     device = resolve_device(cfg.device)
+    set_cpu_threads(cfg.device)
     log.info(f"device: {describe(device)}; amp: {describe_amp(cfg.amp)}")
 
     # 2. The whole model, with any structural change (a new head, frozen layers) made inside
