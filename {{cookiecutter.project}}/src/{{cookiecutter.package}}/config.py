@@ -93,9 +93,13 @@ class MlflowConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = MISSING
+    max_steps: int = MISSING  # optimizer steps
     log_every_n_steps: int = MISSING
     val_every_n_steps: int = MISSING
+    grad_accum_steps: int = MISSING  # batches per optimizer step
+    grad_clip: float | None = MISSING  # max gradient norm; null: no clipping
+    compile: bool = MISSING  # torch.compile the model
+    channels_last: bool = MISSING  # NHWC memory format, for convolutional models
 
 
 @dataclass
@@ -132,10 +136,13 @@ def check_values(cfg: Config) -> None:
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
         "checkpoint.continuity.probe_size": cfg.checkpoint.continuity.probe_size,
         "data.batch_size": cfg.data.batch_size,
+        "trainer.grad_accum_steps": cfg.trainer.grad_accum_steps,
     }
     problems = [f"{key}={value} must be at least 1" for key, value in at_least_one.items() if value < 1]
     if cfg.trainer.max_steps < 0:
         problems.append(f"trainer.max_steps={cfg.trainer.max_steps} must not be negative")
+    if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
+        problems.append(f"trainer.grad_clip={cfg.trainer.grad_clip} must be positive, or null for no clipping")
     if cfg.checkpoint.continuity.on_mismatch not in ("warn", "error"):
         problems.append(
             f"checkpoint.continuity.on_mismatch={cfg.checkpoint.continuity.on_mismatch} must be warn or error"

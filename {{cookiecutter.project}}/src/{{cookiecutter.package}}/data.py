@@ -80,8 +80,10 @@ def build_loader(dataset: Dataset, cfg: DataConfig, device: DeviceConfig, seed: 
         drop_last=True,  # equal batches: a position is a batch count
         num_workers=cfg.num_workers,
         pin_memory=device.pin_memory,
-        # Its own generator: without one, every new iterator draws worker seeds from the global
-        # torch generator, and a resumed run's dropout masks would drift from the unbroken run's.
+        # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
+        # draws worker seeds from the global torch generator, and a resumed run's dropout masks
+        # would drift from the unbroken run's. Torch seeds each worker's random, NumPy and torch
+        # generators from it, so workers draw apart, and alike in the same epoch of any run.
         generator=torch.Generator(),
     )
 

@@ -1,12 +1,16 @@
 """Mixed precision per device type: autocast with the device's own type, and a GradScaler that is
 on only for float16 (bfloat16 has float32's range and needs no loss scaling)."""
 
+import logging
+import warnings
 from contextlib import AbstractContextManager
 
 import torch
 
 from .config import AmpConfig
 from .errors import RunError
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -16,9 +20,28 @@ def autocast(amp: AmpConfig, device: torch.device) -> AbstractContextManager:
 
 
 def build_scaler(amp: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
+    """Checks that this torch can autocast to `amp.dtype` on this device, then builds the scaler:
+    on for float16 only."""
     if amp.dtype not in DTYPES:
         raise RunError(f"amp.dtype={amp.dtype!r} is not supported; use amp=bf16, amp=fp16 or amp=off")
-    return torch.amp.GradScaler(device.type, enabled=amp.enabled and amp.dtype == "float16")
+    if amp.enabled and not _autocast_works(amp, device):
+        raise RunError(
+            f"amp.dtype={amp.dtype} autocast is not supported on {device.type} by this torch ({torch.__version__}); "
+            f"use amp=bf16 or amp=off"
+        )
+    scaled = amp.enabled and amp.dtype == "float16"
+    if scaled and device.type == "xpu" and not torch.xpu.get_device_properties(device).has_fp64:
+        # The scaler's inf checks and unscaling need float64, which some Arc GPUs lack.
+        log.warning(f"{device} has no float64, which the fp16 GradScaler needs; amp=bf16 needs no scaler")
+    return torch.amp.GradScaler(device.type, enabled=scaled)
+
+
+def _autocast_works(amp: AmpConfig, device: torch.device) -> bool:
+    # An unsupported dtype only warns and leaves autocast off; asking is the reliable test.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with autocast(amp, device):
+            return torch.is_autocast_enabled(device.type)
 
 
 def describe(amp: AmpConfig) -> str:

@@ -89,7 +89,7 @@ def train(cfg: Config) -> dict:
     model = build_model(cfg.model, data.num_features, data.num_classes)
 
     # 3. Model and criterion to the device.
-    model.to(device)
+    model.to(device, memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format)
     criterion = nn.CrossEntropyLoss().to(device)
 
     # 4. Optimizer, scheduler and scaler, built on parameters that are already placed.
@@ -117,14 +117,18 @@ def train(cfg: Config) -> dict:
         restore(run, saved)
         position, step = Position(**saved["data_position"]), saved["step"]
         probe = Probe.of(data.val, saved["probe"]["indices"])
+
+    # 6. Optimize for the device after the restore, so that it starts from the restored state.
 {%- if cookiecutter.ipex %}
-    # 6. IPEX rewrites model and optimizer: it must see the restored state, and what it returns
-    #    replaces them.
+    #    IPEX rewrites model and optimizer from what they hold; what it returns replaces them.
     if cfg.device.ipex:
         from .ipex import ipex_optimize  # only here: IPEX pins torch 2.8, most runs never load it
 
         run.model, run.optimizer = ipex_optimize(run.model, run.optimizer, cfg.amp)
 {%- endif %}
+    if cfg.trainer.compile:
+        run.model.compile()  # in place: state_dict keys stay those of the plain model
+
     # 7. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
     audit_placement(device, run.model, run.optimizer, run.scaler)
 
@@ -148,10 +152,10 @@ def train(cfg: Config) -> dict:
             first_step, started = step, time.perf_counter()
             window_start, window_samples = started, 0
             while step < trainer.max_steps and preemption.received is None:
-                inputs, targets = next(stream)
-                loss = train_step(run, inputs, targets)
+                micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
+                loss = train_step(run, micro_batches)
                 step += 1
-                window_samples += len(inputs)
+                window_samples += sum(len(targets) for _, targets in micro_batches)
                 bar.update()
                 if step % trainer.log_every_n_steps == 0:
                     seconds = time.perf_counter() - window_start
@@ -159,7 +163,7 @@ def train(cfg: Config) -> dict:
                         "train/loss": loss.item(),
                         "train/lr": run.optimizer.param_groups[0]["lr"],
                         "train/samples_per_s": window_samples / seconds,
-                        "train/step_time_ms": 1000 * seconds * len(inputs) / window_samples,
+                        "train/step_time_ms": 1000 * seconds / trainer.log_every_n_steps,
                     }
                     run.tracker.log_metrics(metrics, step)
                     bar.set_postfix(
@@ -190,20 +194,28 @@ def train(cfg: Config) -> dict:
     return {**val, "train/steps_per_s": steps_per_s, "step": step, "run_id": run.tracker.run_id}
 
 
-def train_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    non_blocking = run.cfg.device.non_blocking
-    inputs, targets = (
-        inputs.to(run.device, non_blocking=non_blocking),
-        targets.to(run.device, non_blocking=non_blocking),
-    )
-    with autocast(run.cfg.amp, run.device):
-        loss = run.criterion(run.model(inputs), targets)
-    run.scaler.scale(loss).backward()  # scale and step are pass-throughs when the scaler is off
+def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss."""
+    total = torch.zeros((), device=run.device)
+    for inputs, targets in micro_batches:
+        with autocast(run.cfg.amp, run.device):
+            loss = run.criterion(run.model(to_device(inputs, run)), to_device(targets, run)) / len(micro_batches)
+        run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
+        total += loss.detach()
+    if run.cfg.trainer.grad_clip is not None:
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
+        nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.trainer.grad_clip)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return loss.detach()
+    return total
+
+
+def to_device(tensor: torch.Tensor, run: Run) -> torch.Tensor:
+    channels_last = run.cfg.trainer.channels_last and tensor.dim() == 4
+    memory_format = torch.channels_last if channels_last else torch.preserve_format
+    return tensor.to(run.device, non_blocking=run.cfg.device.non_blocking, memory_format=memory_format)
 
 
 @torch.no_grad()

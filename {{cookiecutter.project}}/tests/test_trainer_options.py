@@ -1,0 +1,120 @@
+"""Gradient accumulation and clipping, seeded data workers, AMP support checks, channels-last and
+torch.compile: each does what it says, and none breaks an exact resume."""
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.data import Position, batches, build_loader
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.model import build_model
+from {{cookiecutter.package}}.precision import build_scaler
+from {{cookiecutter.package}}.seeding import seed_everything
+
+QUIET = "mlflow.enabled=false"
+
+
+def weights_after(make_cfg, checkpoint_dir, *overrides: str) -> dict[str, torch.Tensor]:
+    recipe.train(make_cfg(QUIET, *overrides))
+    return checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+
+
+def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_cfg, checkpoint_dir, tmp_path):
+    same = ["model.dropout=0", "scheduler=constant", "trainer.max_steps=5"]
+    full = weights_after(
+        make_cfg, tmp_path / "full", *same, "data.batch_size=64", f"checkpoint.dir={tmp_path / 'full'}"
+    )
+    halves = weights_after(make_cfg, checkpoint_dir, *same, "data.batch_size=32", "trainer.grad_accum_steps=2")
+    for key in full:
+        torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
+    position = checkpoints.newest_valid(checkpoint_dir)[1]["data_position"]
+    assert position == {"epoch": 0, "batch": 10}, "five steps of two batches each"
+
+
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_gradient_clipping_bounds_the_update_to_the_true_gradient_norm(make_cfg, checkpoint_dir, amp):
+    """With plain SGD one step moves the weights by lr * clipped gradient. Under fp16 the
+    gradients must be unscaled before clipping, or the step would be ~65,536 times too small."""
+    cfg = make_cfg(
+        QUIET, f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.lr=0.5", "scheduler=constant",
+        "trainer.max_steps=1", "trainer.grad_clip=0.01",
+    )  # fmt: skip
+    recipe.train(cfg)
+    after = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+    seed_everything(cfg.seed)  # the recipe's first draws build the model: rebuild its start
+    before = build_model(cfg.model, 64, 10).state_dict()
+    step = torch.cat([(after[key] - before[key]).flatten() for key in before])
+    assert 0.9 * 0.01 <= step.norm().item() / 0.5 <= 1.001 * 0.01
+
+
+class Noise(Dataset):
+    """A dataset whose samples come from NumPy's global generator, like a random augmentation."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        return torch.tensor(np.random.rand()), torch.tensor(0)
+
+
+def test_data_workers_draw_apart_and_an_epoch_draws_the_same_after_a_resume(make_cfg):
+    cfg = make_cfg("data.num_workers=2", "data.batch_size=8")
+
+    def stream(epoch: int):
+        return batches(build_loader(Noise(), cfg.data, cfg.device, seed=0), Position(epoch=epoch))
+
+    def one_epoch(source) -> list[float]:
+        return [value for _ in range(8) for value in next(source)[0].tolist()]
+
+    unbroken = stream(epoch=0)
+    first, second = one_epoch(unbroken), one_epoch(unbroken)
+    assert len(set(first)) == len(first), "each worker draws its own numbers"
+    assert one_epoch(stream(epoch=1)) == second, "a run resumed at epoch 1 draws what the unbroken run drew"
+
+
+def test_a_run_with_data_workers_trains_and_resumes(make_cfg):
+    recipe.train(make_cfg(QUIET, "data.num_workers=2", "trainer.max_steps=15"))
+    assert recipe.train(make_cfg(QUIET, "data.num_workers=2", "trainer.max_steps=30", "resume=last"))["step"] == 30
+
+
+def test_an_amp_dtype_this_torch_cannot_autocast_is_one_clear_line(make_cfg, monkeypatch):
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: False)
+    with pytest.raises(
+        RunError, match=r"amp.dtype=float16 autocast is not supported on cpu by this torch .*; use amp=bf16 or amp=off"
+    ):
+        build_scaler(make_cfg("amp=fp16").amp, torch.device("cpu"))
+
+
+def test_fp16_on_an_xpu_without_float64_warns_and_suggests_bf16(make_cfg, monkeypatch, caplog):
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: True)
+    monkeypatch.setattr(torch.xpu, "get_device_properties", lambda device: SimpleNamespace(has_fp64=False))
+    with caplog.at_level(logging.WARNING):
+        scaler = build_scaler(make_cfg("amp=fp16").amp, torch.device("xpu", 0))
+    assert scaler.is_enabled()
+    assert "xpu:0 has no float64, which the fp16 GradScaler needs; amp=bf16 needs no scaler" in caplog.text
+
+
+@pytest.mark.parametrize("amp, scaled", [("off", False), ("bf16", False), ("fp16", True)])
+def test_only_fp16_turns_the_grad_scaler_on(make_cfg, amp, scaled):
+    assert build_scaler(make_cfg(f"amp={amp}").amp, torch.device("cpu")).is_enabled() is scaled
+
+
+def test_channels_last_puts_image_batches_in_nhwc_and_leaves_other_tensors_alone(make_cfg):
+    run = SimpleNamespace(cfg=make_cfg("trainer.channels_last=true"), device=torch.device("cpu"))
+    images = recipe.to_device(torch.randn(2, 3, 8, 8), run)
+    assert images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
+    assert recipe.to_device(torch.randn(2, 64), run).is_contiguous()
+
+
+@pytest.mark.slow
+def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg(QUIET, "trainer.compile=true", "trainer.max_steps=10"))
+    keys = set(checkpoints.newest_valid(checkpoint_dir)[1]["model"])
+    assert keys == set(build_model(make_cfg().model, 64, 10).state_dict())
+    assert recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "resume=last"))["step"] == 20
