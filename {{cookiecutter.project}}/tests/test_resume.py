@@ -91,7 +91,7 @@ def test_the_restore_in_the_recipe_lands_every_tensor_on_the_target_device(make_
     model = build_model(cfg.model, 64, 10).to(meta)
     optimizer = build_optimizer(cfg.optimizer, model)
     run = recipe.Run(
-        cfg, meta, model, nn.CrossEntropyLoss(), optimizer, build_scheduler(cfg.scheduler, optimizer, 10),
+        cfg, meta, checkpoint_dir, model, nn.CrossEntropyLoss(), optimizer, build_scheduler(cfg.scheduler, optimizer, 10),
         build_scaler(cfg.amp, meta), Tracker(cfg.mlflow, checkpoint_dir),
     )  # fmt: skip
     recipe.restore(run, saved)

@@ -47,7 +47,9 @@ class Tracker:
     """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`, or once
     the store has proved unreachable at the start."""
 
-    def __init__(self, cfg: MlflowConfig, spill_dir: Path) -> None:
+    def __init__(
+        self, cfg: MlflowConfig, spill_dir: Path, parent_run_id: str | None = None, run_name: str | None = None
+    ) -> None:
         if cfg.enabled and cfg.system_metrics and importlib.util.find_spec("psutil") is None:
             raise RunError(
                 "mlflow.system_metrics=true needs psutil: pip install -e '.[system-metrics]', "
@@ -55,6 +57,9 @@ class Tracker:
             )
         self.run_id: str | None = None
         self._cfg, self._spill_dir = cfg, spill_dir
+        # A sweep job's run is a child of the sweep's run, named by the job's overrides.
+        self._sweep_tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+        self._run_name = cfg.run_name or run_name
         self._client: MlflowClient | None = None
         self._sender: _MetricSender | None = None
         self._monitor = None
@@ -124,7 +129,7 @@ class Tracker:
             self.run_id, self._client = None, None
 
     def _create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
-        run = self._client.create_run(self._experiment_id(), run_name=self._cfg.run_name, tags=tags)
+        run = self._client.create_run(self._experiment_id(), run_name=self._run_name, tags={**tags, **self._sweep_tags})
         self.run_id = run.info.run_id
         self._log_params(params)
         self._client.log_text(self.run_id, config_yaml, "config.yaml")
@@ -147,7 +152,8 @@ class Tracker:
         old = run.data.params
         changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
         self._log_params({key: value for key, value in params.items() if key not in old})
-        self.set_tags({**tags, **changed, "resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint})
+        resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
+        self.set_tags({**tags, **self._sweep_tags, **changed, **resume_tags})
         self._start_logging(resumed=True)
 
     def _start_logging(self, resumed: bool) -> None:

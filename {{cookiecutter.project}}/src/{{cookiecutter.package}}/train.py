@@ -30,6 +30,7 @@ from .precision import autocast, build_scaler
 from .precision import describe as describe_amp
 from .preemption import Preemption
 from .seeding import capture_rng, restore_rng, seed_everything
+from .sweeps import Job, current_job
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Run:
 
     cfg: Config
     device: torch.device
+    home: Path  # where this run's checkpoints live
     model: nn.Module
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
@@ -63,8 +65,12 @@ class Probe:
         return cls(indices, inputs[indices], targets[indices])
 
 
-def main(cfg: DictConfig) -> dict:
-    """The entry point of run.py: a problem the user can fix prints as one line, no traceback."""
+def main(cfg: DictConfig) -> dict | None:
+    """The entry point of run.py: a problem the user can fix prints as one line, no traceback.
+    In a sweep, a failing job fails alone (see sweeps.py)."""
+    job = current_job()
+    if job is not None:
+        return job.run(train, cfg)
     try:
         return train(cfg)
     except RunError as error:
@@ -72,9 +78,9 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(2) from None
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, job: Job | None = None) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
-    validation metrics, the step reached and the MLflow run id."""
+    metrics, the continuity verdict and the MLflow run id."""
     check_values(cfg)
     seed_everything(cfg.seed)
 
@@ -96,14 +102,13 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg.optimizer, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     scaler = build_scaler(cfg.amp, device)
-    run = Run(
-        cfg, device, model, criterion, optimizer, scheduler, scaler, Tracker(cfg.mlflow, Path(cfg.checkpoint.dir))
-    )
+    home = Path(cfg.checkpoint.dir) / job.key if job else Path(cfg.checkpoint.dir)  # each sweep job has its own
+    tracker = Tracker(cfg.mlflow, home, job.parent_run_id if job else None, job.key if job else None)
+    run = Run(cfg, device, home, model, criterion, optimizer, scheduler, scaler, tracker)
 
     # 5. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
-    home = Path(cfg.checkpoint.dir)
     found = checkpoints.find(cfg.resume, home)
     if found is None and checkpoints.has_checkpoints(home):
         raise RunError(
@@ -141,21 +146,21 @@ def train(cfg: Config) -> dict:
         run.tracker.reattach(saved.get("mlflow_run_id"), *record, checkpoint=str(found[0]))
     status = "FAILED"
     try:
-        if found is not None:
-            check_continuity(run, saved, probe, step)
+        continuity = check_continuity(run, saved, probe, step) if found is not None else "fresh"
 
         # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
         trainer = cfg.trainer
         stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
         last_saved = step if found is not None else None
         with Preemption() as preemption, tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
-            first_step, started = step, time.perf_counter()
+            first_step, started, samples = step, time.perf_counter(), 0
             window_start, window_samples = started, 0
             while step < trainer.max_steps and preemption.received is None:
                 micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
                 loss = train_step(run, micro_batches)
                 step += 1
                 window_samples += sum(len(targets) for _, targets in micro_batches)
+                samples += sum(len(targets) for _, targets in micro_batches)
                 bar.update()
                 if step % trainer.log_every_n_steps == 0:
                     seconds = time.perf_counter() - window_start
@@ -174,7 +179,8 @@ def train(cfg: Config) -> dict:
                     run.tracker.log_metrics(evaluate(run, data.val), step)
                 if step % cfg.checkpoint.every_n_steps == 0:
                     last_saved = save(run, position, step, probe)
-            steps_per_s = (step - first_step) / (time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            throughput = {"train/steps_per_s": (step - first_step) / seconds, "train/samples_per_s": samples / seconds}
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
             if last_saved != step:
@@ -191,7 +197,8 @@ def train(cfg: Config) -> dict:
         f"finished at step {step}: val/loss {val['val/loss']:.4f}, val/accuracy {val['val/accuracy']:.4f}; "
         f"checkpoint {newest}; MLflow run {run.tracker.run_id}"
     )
-    return {**val, "train/steps_per_s": steps_per_s, "step": step, "run_id": run.tracker.run_id}
+    last_loss = {"train/loss": loss.item()} if step > first_step else {}
+    return {**last_loss, **val, **throughput, "continuity": continuity, "step": step, "run_id": run.tracker.run_id}
 
 
 def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -264,7 +271,7 @@ def save(run: Run, position: Position, step: int, probe: Probe) -> int:
         "amp": {"enabled": run.cfg.amp.enabled, "dtype": run.cfg.amp.dtype},
         "versions": library_versions(),
     }
-    checkpoints.save(state, Path(run.cfg.checkpoint.dir), step, run.cfg.checkpoint.keep_last)
+    checkpoints.save(state, run.home, step, run.cfg.checkpoint.keep_last)
     run.tracker.log_metrics({"checkpoint/loss": loss}, step)
     run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
     return step
@@ -324,7 +331,7 @@ def report_changes(saved: dict, current: dict) -> dict[str, str]:
     return changed
 
 
-def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> None:
+def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
     """Compares the probe loss now with the one stored at save: exactly, on the same device type
     and AMP setting; within `checkpoint.continuity.rtol` when either changed."""
     settings = run.cfg.checkpoint.continuity
@@ -340,11 +347,12 @@ def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> None:
     line = f"resumed at step {step} on {run.device}: loss at save {before:.4f}, loss now {now:.4f} ({verdict})"
     if ok:
         log.info(line)
-        return
+        return verdict
     tolerance = "exact match expected on the same device and dtype" if same_setup else f"rtol {settings.rtol}"
     if settings.on_mismatch == "error":
         raise RunError(f"{line}: {tolerance}; the restore is not faithful")
     log.warning(f"{line}: {tolerance}")
+    return verdict
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:

@@ -1,0 +1,145 @@
+"""Multirun sweeps (`python run.py -m optimizer=adamw,sgd optimizer.lr=1e-3,3e-3`).
+
+Each sweep gets a parent MLflow run, and each job a child run named by its overrides, so the UI
+groups and compares them. The parent is made by `SweepCallback` in the launching process, and
+jobs find its id in a file in the sweep folder: that works for launchers that run jobs in this
+process, in local worker processes, or on SLURM nodes. Each job also writes its result there,
+and the callback turns the results into a summary table at the end.
+
+A job fails alone: its error is recorded and the other jobs run. Each job's checkpoints live in
+`checkpoint.dir/<its overrides>`, so the same sweep run again with `resume=auto` continues every
+job that had started and starts the others.
+"""
+
+import atexit
+import json
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from mlflow import MlflowClient
+from omegaconf import DictConfig
+
+from .errors import RunError
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_FILE = "mlflow_parent_run_id"
+RESULT_FILE = "job_result.json"
+COLUMNS = (
+    "job",
+    "status",
+    "train/loss",
+    "val/loss",
+    "val/accuracy",
+    "train/samples_per_s",
+    "continuity",
+    "run_id",
+    "error",
+)
+
+
+@dataclass
+class Job:
+    """One job of a sweep, as the job sees itself."""
+
+    key: str  # its overrides, less those that do not change what it trains (resume, device, ...)
+    parent_run_id: str | None
+    output_dir: Path
+
+    def run(self, train: Callable[[DictConfig, "Job"], dict], cfg: DictConfig) -> dict | None:
+        """Trains and records the result; an error is recorded, not raised, so that the other
+        jobs of the sweep still run."""
+        try:
+            result = {"status": "FINISHED", **train(cfg, self)}
+        except RunError as error:
+            log.error(f"error: {error}")
+            result = {"status": "FAILED", "error": str(error)}
+        except Exception as error:  # a bug in one job must not cost the others their runs
+            log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
+            result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
+        (self.output_dir / RESULT_FILE).write_text(json.dumps({"job": self.key, **result}))
+        return result if result["status"] == "FINISHED" else None
+
+
+def current_job() -> Job | None:
+    """The sweep job this process is running, or None outside a multirun."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra = HydraConfig.get()
+    parent_file = Path(hydra.sweep.dir) / PARENT_RUN_FILE
+    return Job(
+        key=hydra.job.override_dirname.replace("/", "_") or "defaults",
+        parent_run_id=parent_file.read_text().strip() if parent_file.exists() else None,
+        output_dir=Path(hydra.runtime.output_dir),
+    )
+
+
+class SweepCallback(Callback):
+    """Opens the sweep's parent MLflow run before the first job and closes it after the last,
+    with the summary table as its artifact `summary.md`."""
+
+    def __init__(self) -> None:
+        self._client: MlflowClient | None = None
+        self._parent_run_id: str | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # lets `${project_root:}` resolve out here too
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if not config.mlflow.enabled:
+            return
+        self._client = MlflowClient(tracking_uri=config.mlflow.tracking_uri)
+        experiment = self._client.get_experiment_by_name(config.mlflow.experiment_name)
+        experiment_id = (
+            experiment.experiment_id if experiment else self._client.create_experiment(config.mlflow.experiment_name)
+        )
+        run = self._client.create_run(
+            experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir)}
+        )
+        self._parent_run_id = run.info.run_id
+        (sweep_dir / PARENT_RUN_FILE).write_text(self._parent_run_id)
+        atexit.register(self._end_parent, "KILLED")  # a sweep stopped by a signal never reaches the end
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        results = [json.loads(path.read_text()) for path in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"), key=_job_number)]
+        table = summary_table(results)
+        log.info(f"sweep summary ({sweep_dir}):\n{table}")
+        failed = [result["job"] for result in results if result["status"] != "FINISHED"]
+        if self._parent_run_id is not None:
+            self._client.log_text(self._parent_run_id, table, "summary.md")
+            self._end_parent("FAILED" if failed else "FINISHED")
+        if failed:
+            raise SystemExit(f"{len(failed)} of {len(results)} jobs failed: {', '.join(failed)}")
+
+    def _end_parent(self, status: str) -> None:
+        if self._parent_run_id is not None:
+            atexit.unregister(self._end_parent)
+            self._client.set_terminated(self._parent_run_id, status=status)
+            self._parent_run_id = None
+
+
+def summary_table(results: list[dict]) -> str:
+    """A Markdown table, one row a job: readable on the console and in the MLflow UI."""
+
+    def cell(result: dict, column: str) -> str:
+        value = result.get(column, "")
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    rows = [COLUMNS, *([cell(result, column) for column in COLUMNS] for result in results)]
+    widths = [max(len(row[index]) for row in rows) for index in range(len(COLUMNS))]
+    lines = [
+        "| " + " | ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)) + " |" for row in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    return "\n".join(lines)
+
+
+def _job_number(path: Path) -> int:
+    return int(path.parent.name) if path.parent.name.isdigit() else 0

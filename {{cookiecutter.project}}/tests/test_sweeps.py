@@ -1,0 +1,105 @@
+"""Multirun sweeps: a parent MLflow run with a child per job, a summary, jobs that fail alone,
+and sweeps that resume job by job."""
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, start
+from mlflow import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["trainer.max_steps=200", "checkpoint.every_n_steps=20"]
+SWEEP = ["-m", "optimizer=adamw,sgd", "optimizer.lr=1e-3,3e-3", *COMMON]
+# A job is named, and keeps its checkpoints, by its sorted overrides, as Hydra's override_dirname;
+# jobs are launched in this order.
+LAUNCHED = [
+    ",".join(sorted([*COMMON, f"optimizer.lr={lr}", f"optimizer={name}"]))
+    for name in ("adamw", "sgd")
+    for lr in ("0.001", "0.003")
+]
+JOBS = sorted(LAUNCHED)
+
+
+def sweep_runs(project, experiment: str = "demo") -> tuple:
+    """The sweep's parent run and its children, by job name."""
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    children = {run.info.run_name: run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    return client, parent, children
+
+
+def check_sweep(project, result, experiment: str = "demo") -> dict:
+    assert result.returncode == 0, result.stderr
+    client, parent, children = sweep_runs(project, experiment)
+    assert sorted(children) == JOBS
+    assert parent.info.status == "FINISHED"
+    for name, child in children.items():
+        assert child.info.status == "FINISHED"
+        overrides = dict(pair.split("=") for pair in name.split(","))
+        assert child.data.params["optimizer.name"] == overrides["optimizer"]
+        assert float(child.data.params["optimizer.lr"]) == float(overrides["optimizer.lr"])
+    table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
+    assert all(job in table for job in JOBS) and "| FINISHED " in table
+    assert "sweep summary" in result.stdout + result.stderr
+    return children
+
+
+def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(project):
+    check_sweep(project, run_cli(project, *SWEEP, timeout=600))
+
+
+def test_a_2x2_sweep_in_worker_processes_makes_four_children_under_one_parent(project):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install -e '.[sweeps]'")
+    check_sweep(project, run_cli(project, *SWEEP, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=600))
+
+
+def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
+    result = run_cli(project, "-m", "trainer.grad_accum_steps=1,0", "trainer.max_steps=10", timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "error: trainer.grad_accum_steps=0 must be at least 1" in output
+    assert "1 of 2 jobs failed: trainer.grad_accum_steps=0,trainer.max_steps=10" in output
+    client, parent, children = sweep_runs(project)
+    assert parent.info.status == "FAILED"
+    assert children["trainer.grad_accum_steps=1,trainer.max_steps=10"].info.status == "FINISHED"
+    table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
+    assert "| trainer.grad_accum_steps=0,trainer.max_steps=10 | FAILED " in table and "must be at least 1" in table
+
+
+def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_same_losses(project):
+    reference = check_sweep(project, run_cli(project, *SWEEP, "experiment=reference", timeout=600), "reference")
+
+    process = start(project, *SWEEP, "experiment=interrupted")
+    second_job = project / "checkpoints" / "interrupted" / LAUNCHED[1]
+    while not (second_job / "latest").exists():  # the first job is done, the second has saved
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    _, interrupted_parent, started = sweep_runs(project, "interrupted")
+    assert interrupted_parent.info.status == "KILLED"
+    assert sorted(started) == sorted(LAUNCHED[:2])
+
+    rerun = run_cli(project, *SWEEP, "experiment=interrupted", "resume=auto", timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("interrupted").experiment_id], "tags.resumes = '1'")
+    assert sorted(run.info.run_id for run in runs) == sorted(run.info.run_id for run in started.values())
+    _, _, children = sweep_runs_latest(client, "interrupted")
+    assert sorted(children) == JOBS
+    for job in JOBS:
+        assert children[job].data.metrics["val/loss"] == reference[job].data.metrics["val/loss"], job
+        assert children[job].data.metrics["train/loss"] == reference[job].data.metrics["train/loss"], job
+
+
+def sweep_runs_latest(client: MlflowClient, experiment: str) -> tuple:
+    """The newest sweep parent of `experiment` and its children, by job name."""
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id], order_by=["start_time DESC"])
+    parent = next(run for run in runs if "mlflow.parentRunId" not in run.data.tags)
+    children = {run.info.run_name: run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    return client, parent, children
