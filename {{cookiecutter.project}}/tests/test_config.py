@@ -3,6 +3,8 @@
 import itertools
 
 import pytest
+from conftest import PROJECT
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
@@ -70,3 +72,12 @@ def test_bad_values_and_misspelt_keys_fail_at_composition(make_cfg, override, me
 def test_out_of_range_values_are_named_before_any_work(make_cfg, override, message):
     with pytest.raises(RunError, match=message):
         check_values(make_cfg(override))
+
+
+def test_the_slurm_preset_extends_submitits_slurm_launcher():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        cfg = compose("config", ["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.timeout_min, launcher.gpus_per_node) == (240, 1)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import run_cli, start
 from mlflow import MlflowClient
 
@@ -103,3 +104,16 @@ def sweep_runs_latest(client: MlflowClient, experiment: str) -> tuple:
     parent = next(run for run in runs if "mlflow.parentRunId" not in run.data.tags)
     children = {run.info.run_name: run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     return client, parent, children
+
+
+def test_a_search_sweep_minimizes_the_final_validation_loss(project):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[search]'")
+    result = run_cli(
+        project, "-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.max_steps=30", timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    _, parent, children = sweep_runs(project)
+    assert parent.info.status == "FINISHED" and len(children) == 3
+    (results,) = (project / "multirun").glob("*/*/optimization_results.yaml")
+    best = yaml.safe_load(results.read_text())["best_value"]
+    assert best == min(child.data.metrics["val/loss"] for child in children.values())

@@ -52,9 +52,9 @@ class Job:
     parent_run_id: str | None
     output_dir: Path
 
-    def run(self, train: Callable[[DictConfig, "Job"], dict], cfg: DictConfig) -> dict | None:
-        """Trains and records the result; an error is recorded, not raised, so that the other
-        jobs of the sweep still run."""
+    def run(self, train: Callable[[DictConfig, "Job"], dict], cfg: DictConfig) -> float | None:
+        """Trains, records the result, and returns the final val/loss: the value a search
+        sweeper minimizes. An error is recorded, not raised, so the other jobs still run."""
         try:
             result = {"status": "FINISHED", **train(cfg, self)}
         except RunError as error:
@@ -64,7 +64,7 @@ class Job:
             log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
         (self.output_dir / RESULT_FILE).write_text(json.dumps({"job": self.key, **result}))
-        return result if result["status"] == "FINISHED" else None
+        return result.get("val/loss")
 
 
 def current_job() -> Job | None:
@@ -130,7 +130,9 @@ def summary_table(results: list[dict]) -> str:
 
     def cell(result: dict, column: str) -> str:
         value = result.get(column, "")
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
+        return str(value)
 
     rows = [COLUMNS, *([cell(result, column) for column in COLUMNS] for result in results)]
     widths = [max(len(row[index]) for row in rows) for index in range(len(COLUMNS))]

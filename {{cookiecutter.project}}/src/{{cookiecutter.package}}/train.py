@@ -65,9 +65,9 @@ class Probe:
         return cls(indices, inputs[indices], targets[indices])
 
 
-def main(cfg: DictConfig) -> dict | None:
+def main(cfg: DictConfig) -> dict | float | None:
     """The entry point of run.py: a problem the user can fix prints as one line, no traceback.
-    In a sweep, a failing job fails alone (see sweeps.py)."""
+    In a sweep, a failing job fails alone, and a job's value is its final val/loss (sweeps.py)."""
     job = current_job()
     if job is not None:
         return job.run(train, cfg)
