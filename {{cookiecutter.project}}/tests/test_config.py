@@ -13,7 +13,7 @@ from {{cookiecutter.package}}.errors import RunError
 
 GROUPS = {
     "device": ["cpu", "cuda", "xpu", "auto"],
-    "amp": ["off", "bf16", "fp16"],
+    "amp": ["off", "bf16", "fp16", "auto"],
     "optimizer": ["adamw", "sgd"],
     "scheduler": ["constant", "cosine"],
 }
@@ -24,6 +24,7 @@ def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
     cfg = make_cfg(*(f"{group}={option}" for group, option in zip(GROUPS, choice, strict=True)))
     assert cfg.device.type == choice[0]
     assert isinstance(cfg.amp.enabled, bool) and cfg.amp.enabled == (choice[1] != "off")
+    assert cfg.amp.dtype in ("bfloat16", "float16")
     assert cfg.optimizer.name == choice[2]
     assert isinstance(cfg.optimizer.lr, float)
     assert cfg.scheduler.name == choice[3]
@@ -32,6 +33,11 @@ def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
 def test_amp_off_is_the_string_option_not_a_yaml_boolean(make_cfg):
     cfg = make_cfg()
     assert cfg.amp.enabled is False and cfg.amp.dtype == "bfloat16"
+
+
+def test_amp_auto_takes_the_dtype_that_suits_the_device(make_cfg):
+    assert make_cfg("device=cuda", "amp=auto").amp.dtype == "bfloat16"
+    assert make_cfg("device=cuda", "amp=auto", "device.amp_dtype=float16").amp.dtype == "float16"
 
 
 def test_boolean_override_false_is_false(make_cfg):

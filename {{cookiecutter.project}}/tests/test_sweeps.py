@@ -59,13 +59,15 @@ def test_a_2x2_sweep_in_worker_processes_makes_four_children_under_one_parent(pr
 
 
 def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
-    result = run_cli(project, "-m", "trainer.grad_accum_steps=1,0", "trainer.max_steps=10", timeout=600)
+    result = run_cli(project, "-m", "trainer.grad_accum_steps=0,1", "trainer.max_steps=10", timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert "error: trainer.grad_accum_steps=0 must be at least 1" in output
     assert "1 of 2 jobs failed: trainer.grad_accum_steps=0,trainer.max_steps=10" in output
     client, parent, children = sweep_runs(project)
     assert parent.info.status == "FAILED"
+    # The job after the failure runs in a run of its own, under the same parent.
+    assert list(children) == ["trainer.grad_accum_steps=1,trainer.max_steps=10"]
     assert children["trainer.grad_accum_steps=1,trainer.max_steps=10"].info.status == "FINISHED"
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     assert "| trainer.grad_accum_steps=0,trainer.max_steps=10 | FAILED " in table and "must be at least 1" in table

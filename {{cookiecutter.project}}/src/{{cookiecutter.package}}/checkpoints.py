@@ -36,13 +36,17 @@ def save(state: dict, home: Path, step: int, keep_last: int) -> Path:
     """Writes `state` as the checkpoint of `step`, points `latest` at it, and keeps the newest
     `keep_last` checkpoints."""
     home.mkdir(parents=True, exist_ok=True)
-    path = home / f"step_{step:08d}.pt"
+    path = path_of(home, step)
     _write_atomically(path, lambda file: torch.save(state, file))
     digest = _sha256(path)
     _write_atomically(_digest_path(path), lambda file: file.write(digest.encode()))
     _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()))
     _prune(home, keep_last)
     return path
+
+
+def path_of(home: Path, step: int) -> Path:
+    return home / f"step_{step:08d}.pt"
 
 
 def load(path: Path) -> dict:

@@ -20,6 +20,7 @@ class DeviceConfig:
     type: str = MISSING  # cpu | cuda | xpu | auto
     index: int = 0
     backend: str = MISSING  # torch.distributed backend for scale-out: gloo, nccl, xccl
+    amp_dtype: str = MISSING  # the autocast dtype that suits the device: what amp=auto uses
     pin_memory: bool = False
     non_blocking: bool = False
     cpu_threads: int = 0  # torch's CPU threads; 0: all cores but one, left to data loading and MLflow
@@ -31,7 +32,7 @@ class DeviceConfig:
 @dataclass
 class AmpConfig:
     enabled: bool = MISSING
-    dtype: str = MISSING  # bfloat16 | float16; float16 also turns the GradScaler on
+    dtype: str = MISSING  # bfloat16 | float16 (float16 also turns the GradScaler on)
 
 
 @dataclass

@@ -159,8 +159,8 @@ def train(cfg: Config, job: Job | None = None) -> dict:
                 micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
                 loss = train_step(run, micro_batches)
                 step += 1
-                window_samples += sum(len(targets) for _, targets in micro_batches)
-                samples += sum(len(targets) for _, targets in micro_batches)
+                batch_samples = sum(len(targets) for _, targets in micro_batches)
+                window_samples, samples = window_samples + batch_samples, samples + batch_samples
                 bar.update()
                 if step % trainer.log_every_n_steps == 0:
                     seconds = time.perf_counter() - window_start
@@ -189,7 +189,7 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     finally:
         run.tracker.finish(status)
 
-    newest = home / f"step_{step:08d}.pt"
+    newest = checkpoints.path_of(home, step)
     if preemption.received:
         log.info(f"stopped at step {step} by {preemption.received.name}; saved {newest}; continue with resume=last")
         raise SystemExit(128 + preemption.received)
