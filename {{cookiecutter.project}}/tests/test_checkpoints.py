@@ -30,24 +30,17 @@ def corrupt(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_save_writes_the_file_its_digest_and_the_latest_pointer(tmp_path):
+def test_save_writes_the_file_and_the_latest_pointer(tmp_path):
     path = checkpoints.save(state(7), tmp_path, 7, keep_last=3)
     assert path == tmp_path / "step_00000007.pt"
     assert (tmp_path / "latest").read_text() == "step_00000007.pt"
-    assert len((tmp_path / "step_00000007.pt.sha256").read_text()) == 64
     assert torch.equal(checkpoints.load(path)["weights"], torch.full((64, 64), 7.0))
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_only_the_newest_keep_last_checkpoints_remain(tmp_path):
     save_steps(tmp_path, 10, 20, 30, 40, 50, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest",
-        "step_00000040.pt",
-        "step_00000040.pt.sha256",
-        "step_00000050.pt",
-        "step_00000050.pt.sha256",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000040.pt", "step_00000050.pt"]
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
@@ -67,16 +60,16 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert (tmp_path / "latest").read_text() == "step_00000010.pt"
 
 
-def test_a_crash_between_the_checkpoint_and_its_digest_still_resumes_from_the_new_one(tmp_path, monkeypatch):
+def test_a_crash_between_the_checkpoint_and_the_pointer_still_resumes_from_the_new_one(tmp_path, monkeypatch):
     save_steps(tmp_path, 10)
     real_replace = os.replace
 
-    def dies_before_the_digest(source, target):
-        if str(target).endswith(".sha256"):
+    def dies_before_the_pointer(source, target):
+        if str(target).endswith("latest"):
             raise KeyboardInterrupt
         real_replace(source, target)
 
-    monkeypatch.setattr(os, "replace", dies_before_the_digest)
+    monkeypatch.setattr(os, "replace", dies_before_the_pointer)
     with pytest.raises(KeyboardInterrupt):
         checkpoints.save(state(20), tmp_path, 20, keep_last=3)
     monkeypatch.setattr(os, "replace", real_replace)
@@ -99,7 +92,6 @@ def test_a_truncated_newest_checkpoint_falls_back_too(tmp_path, caplog):
     save_steps(tmp_path, 10, 20)
     newest = tmp_path / "step_00000020.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    (tmp_path / "step_00000020.pt.sha256").unlink()  # no digest: torch's own checks must catch it
     with caplog.at_level(logging.WARNING):
         assert checkpoints.find("last", tmp_path)[1]["step"] == 10
     assert "step_00000020.pt is unreadable" in caplog.text
@@ -108,7 +100,9 @@ def test_a_truncated_newest_checkpoint_falls_back_too(tmp_path, caplog):
 def test_naming_a_corrupted_checkpoint_explicitly_fails_clearly(tmp_path):
     save_steps(tmp_path, 10, 20)
     corrupt(tmp_path / "step_00000020.pt")
-    with pytest.raises(CheckpointError, match="step_00000020.pt is damaged: its contents no longer match"):
+    with pytest.raises(
+        CheckpointError, match="step_00000020.pt is damaged: its record .* no longer matches the checksum"
+    ):
         checkpoints.find(str(tmp_path / "step_00000020.pt"), tmp_path)
 
 
@@ -145,6 +139,21 @@ def test_resume_last_without_checkpoints_names_where_it_looked(tmp_path):
         checkpoints.find("last", tmp_path / "nothing")
     assert f"resume=last found no valid checkpoint in {tmp_path / 'nothing'}" in str(raised.value)
     assert "resume=auto" in str(raised.value)
+
+
+def test_resume_auto_with_only_damaged_checkpoints_stops_instead_of_starting_over(tmp_path):
+    save_steps(tmp_path, 10)
+    corrupt(tmp_path / "step_00000010.pt")
+    with pytest.raises(RunError, match="resume=auto found no valid checkpoint in"):
+        checkpoints.find("auto", tmp_path)
+
+
+def test_checkpoints_past_a_step_are_set_aside_not_deleted(tmp_path):
+    save_steps(tmp_path, 10, 20, 30)
+    folder = checkpoints.set_aside_newer(tmp_path, 10)
+    assert sorted(path.name for path in folder.iterdir()) == ["step_00000020.pt", "step_00000030.pt"]
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+    assert checkpoints.set_aside_newer(tmp_path, 10) is None
 
 
 def test_resume_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path, caplog):

@@ -20,6 +20,7 @@ from {{cookiecutter.package}}.tracking import Tracker
 
 # 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
 STOP_AT, MAX_STEPS = 30, 60
+QUIET = "mlflow.enabled=false"
 
 
 @pytest.fixture
@@ -180,3 +181,17 @@ def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cf
         resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last"))
     assert "(mismatch): exact match expected on the same device and dtype" in caplog.text
     assert client.get_run(resumed["run_id"]).data.tags["continuity"] == "mismatch"
+
+
+def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_continues(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=40"))
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=25", f"resume={checkpoint_dir / 'step_00000020.pt'}"))
+    assert checkpoints.newest_valid(checkpoint_dir)[1]["step"] == 25
+    (set_aside,) = checkpoint_dir.glob("set-aside-*-after-step-20")
+    assert sorted(path.name for path in set_aside.iterdir()) == ["step_00000030.pt", "step_00000040.pt"]
+    assert recipe.train(make_cfg(QUIET, "trainer.max_steps=30", "resume=last"))["step"] == 30
+
+
+def test_a_batch_larger_than_the_training_set_is_refused_instead_of_spinning(make_cfg):
+    with pytest.raises(RunError, match="data.batch_size=5000 is larger than the 1438 training samples"):
+        recipe.train(make_cfg(QUIET, "data.batch_size=5000"))

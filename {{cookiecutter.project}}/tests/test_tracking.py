@@ -14,7 +14,7 @@ from conftest import losses
 
 from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.tracking import _Drain, replay
+from {{cookiecutter.package}}.tracking import _Sender, replay
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):
@@ -66,6 +66,27 @@ def test_a_checkpoint_whose_run_is_not_in_the_store_continues_in_a_new_tagged_ru
     assert new_run.info.status == "FINISHED"
 
 
+def test_a_checkpoint_whose_run_was_deleted_in_the_ui_continues_in_a_new_run(make_cfg, client):
+    first = recipe.train(make_cfg("trainer.max_steps=10"))
+    client.delete_run(first["run_id"])
+    resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last"))
+    assert resumed["run_id"] not in (None, first["run_id"])
+    assert client.get_run(resumed["run_id"]).data.tags["resumed_from_checkpoint"].endswith("step_00000010.pt")
+
+
+def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goes_on(make_cfg, client, monkeypatch):
+    def broken(self, run_id, text, path):
+        raise ConnectionError("artifact store is down")
+
+    monkeypatch.setattr(type(client), "log_text", broken)
+    summary = recipe.train(make_cfg("trainer.max_steps=10"))
+    assert summary["step"] == 10 and summary["run_id"] is None
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("demo").experiment_id], order_by=["start_time DESC"], max_results=1
+    )
+    assert run.info.status == "FAILED"
+
+
 def test_a_run_that_fails_is_marked_failed_not_left_running(make_cfg, client, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10"))
     path, saved = checkpoints.newest_valid(checkpoint_dir)
@@ -103,7 +124,7 @@ def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None) -> N
     """Runs the sender loop in a thread over metrics handed over one step at a time, the way
     the training process hands them over, then ends it; `hold` runs before the end."""
     incoming: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_Drain(store, "run", spill, incoming).run)
+    sender = threading.Thread(target=_Sender(store, "run", spill, incoming).run)
     sender.start()
     for step, value in rows_by_step.items():
         incoming.put([["train/loss", value, 0, step]])

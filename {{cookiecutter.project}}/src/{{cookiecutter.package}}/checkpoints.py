@@ -1,18 +1,19 @@
 """Checkpoint files: atomic writes, the `latest` pointer, retention, safe loading, and what
 `resume=` means.
 
-A checkpoint is one file, `step_00001200.pt`, with its SHA-256 beside it in
-`step_00001200.pt.sha256`. Every file is written to a temporary name, flushed, fsynced and then
-renamed over the target, so a crash at any instant, mid-save included, leaves the previous
-checkpoint whole. The digest catches what the rename cannot: a file damaged after it was written
-(a truncated copy, a bad disk).
+A checkpoint is one file, `step_00001200.pt`. It is written to a temporary name, flushed,
+fsynced and then renamed over the target, so a crash at any instant, mid-save included, leaves the
+previous checkpoint whole. What the rename cannot prevent, a file damaged after it was written (a
+truncated copy, a bad disk), the CRC-32 that torch.save stores for every record reveals: `load`
+checks them all, which torch.load alone does not.
 """
 
-import hashlib
 import logging
 import os
 import pickle
 import re
+import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -37,10 +38,10 @@ def save(state: dict, home: Path, step: int, keep_last: int) -> Path:
     `keep_last` checkpoints."""
     home.mkdir(parents=True, exist_ok=True)
     path = path_of(home, step)
-    _write_atomically(path, lambda file: torch.save(state, file))
-    digest = _sha256(path)
-    _write_atomically(_digest_path(path), lambda file: file.write(digest.encode()))
-    _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()))
+    _write_atomically(path, lambda file: torch.save(state, file), durable=True)
+    # For people and tools only (resume goes by step numbers), so it needs no fsync of its own.
+    _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
+    _sync_folder(home)  # both renames survive a power cut
     _prune(home, keep_last)
     return path
 
@@ -56,9 +57,13 @@ def load(path: Path) -> dict:
     cannot execute. Loading onto the CPU lets a checkpoint written on any device resume on any
     other: the runner places everything afterwards.
     """
-    digest_path = _digest_path(path)
-    if digest_path.exists() and digest_path.read_text().strip() != _sha256(path):
-        raise CheckpointError(f"{path} is damaged: its contents no longer match the SHA-256 written when it was saved")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(f"{path} is unreadable ({error}); it may be truncated or not a checkpoint") from None
+    if damaged is not None:
+        raise CheckpointError(f"{path} is damaged: its record {damaged} no longer matches the checksum written at save")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -87,9 +92,9 @@ def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
         return None
     if resume in ("last", "auto"):
         found = newest_valid(home)
-        if found is None and resume == "last":
+        if found is None and (resume == "last" or has_checkpoints(home)):
             raise RunError(
-                f"resume=last found no valid checkpoint in {home}; train without resume first, "
+                f"resume={resume} found no valid checkpoint in {home}; train without resume first, "
                 f"or pass resume=auto to start fresh when there is none"
             )
         if found is None:
@@ -126,6 +131,20 @@ def has_checkpoints(home: Path) -> bool:
     return any(_steps(home))
 
 
+def set_aside_newer(home: Path, step: int) -> Path | None:
+    """Moves the checkpoints of `home` past `step` into a subfolder, and returns it: a run resumed
+    from an earlier step must not be pruned away by, or lose `resume=last` to, the future it
+    abandons, and nothing saved is deleted."""
+    newer = [path for number, path in _steps(home) if number > step]
+    if not newer:
+        return None
+    folder = home / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+    folder.mkdir()
+    for path in newer:
+        os.replace(path, folder / path.name)
+    return folder
+
+
 def _steps(home: Path) -> list[tuple[int, Path]]:
     if not home.is_dir():
         return []
@@ -135,33 +154,24 @@ def _steps(home: Path) -> list[tuple[int, Path]]:
 def _prune(home: Path, keep_last: int) -> None:
     for _, path in sorted(_steps(home), reverse=True)[keep_last:]:
         path.unlink(missing_ok=True)
-        _digest_path(path).unlink(missing_ok=True)
     for leftover in home.glob("*.tmp"):  # from a save that crashed before its rename
         leftover.unlink(missing_ok=True)
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: bool) -> None:
     # The temporary name keeps an extension: torch.save rejects some dot-names without one.
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
         write(file)
-        file.flush()
-        os.fsync(file.fileno())
+        if durable:
+            file.flush()
+            os.fsync(file.fileno())
     os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+
+
+def _sync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(directory)  # makes the rename itself survive a power cut
+        os.fsync(descriptor)
     finally:
-        os.close(directory)
-
-
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        os.close(descriptor)

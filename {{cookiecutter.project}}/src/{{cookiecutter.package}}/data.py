@@ -65,14 +65,23 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         return iter(torch.randperm(self.size, generator=generator)[self.start :].tolist())
 
     def __len__(self) -> int:
         return max(self.size - self.start, 0)
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    return seed * 1_000_003 + epoch
+
+
 def build_loader(dataset: Dataset, cfg: DataConfig, device: DeviceConfig, seed: int) -> DataLoader:
+    if len(dataset) < cfg.batch_size:
+        raise RunError(
+            f"data.batch_size={cfg.batch_size} is larger than the {len(dataset)} training samples, so no "
+            f"full batch exists; use data.batch_size={len(dataset)} or less"
+        )
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -83,7 +92,8 @@ def build_loader(dataset: Dataset, cfg: DataConfig, device: DeviceConfig, seed: 
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
         # draws worker seeds from the global torch generator, and a resumed run's dropout masks
         # would drift from the unbroken run's. Torch seeds each worker's random, NumPy and torch
-        # generators from it, so workers draw apart, and alike in the same epoch of any run.
+        # generators from it: workers draw apart, and draw the same in the same epoch of any run
+        # that starts that epoch (a mid-epoch resume gives the rest of the epoch fresh draws).
         generator=torch.Generator(),
     )
 
@@ -94,7 +104,7 @@ def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tenso
     assert isinstance(sampler, EpochSampler)
     while True:
         sampler.set_position(position.epoch, position.batch * loader.batch_size)
-        loader.generator.manual_seed(sampler.seed * 1_000_003 + position.epoch)
+        loader.generator.manual_seed(epoch_seed(sampler.seed, position.epoch))
         for batch in loader:
             position.batch += 1
             yield batch

@@ -25,4 +25,5 @@ def ipex_optimize(model: nn.Module, optimizer: torch.optim.Optimizer, amp: AmpCo
             f"device.ipex=true but IPEX does not import ({error}); pip install -e '.[ipex]', or drop device.ipex"
         ) from None
     dtype = torch.bfloat16 if amp.enabled and amp.dtype == "bfloat16" else None
-    return ipex.optimize(model, optimizer=optimizer, dtype=dtype)
+    # In place: a copied optimizer would leave the LR scheduler driving the original.
+    return ipex.optimize(model, optimizer=optimizer, dtype=dtype, inplace=True)

@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig
 
 from .errors import RunError
+from .tracking import experiment_id
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,15 @@ class SweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if not config.mlflow.enabled:
             return
-        self._client = MlflowClient(tracking_uri=config.mlflow.tracking_uri)
-        experiment = self._client.get_experiment_by_name(config.mlflow.experiment_name)
-        experiment_id = (
-            experiment.experiment_id if experiment else self._client.create_experiment(config.mlflow.experiment_name)
-        )
-        run = self._client.create_run(
-            experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir)}
-        )
+        try:
+            self._client = MlflowClient(tracking_uri=config.mlflow.tracking_uri)
+            experiment = experiment_id(self._client, config.mlflow)
+            run = self._client.create_run(
+                experiment, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir)}
+            )
+        except Exception as error:  # the jobs can still run, and each tries MLflow itself
+            log.warning(f"MLflow failed ({error}); the sweep runs without a parent run")
+            return
         self._parent_run_id = run.info.run_id
         (sweep_dir / PARENT_RUN_FILE).write_text(self._parent_run_id)
         atexit.register(self._end_parent, "KILLED")  # a sweep stopped by a signal never reaches the end

@@ -12,6 +12,7 @@ never got through are written to a file that `python -m <package>.tracking repla
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -61,7 +62,7 @@ class Tracker:
         self._sweep_tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
         self._run_name = cfg.run_name or run_name
         self._client: MlflowClient | None = None
-        self._sender: _MetricSender | None = None
+        self._sender: _Handover | None = None
         self._monitor = None
 
     def start(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
@@ -123,13 +124,16 @@ class Tracker:
             open_run(*args)
         except Exception as error:  # whatever the store raises, training does not depend on it
             log.warning(
-                f"MLflow at {self._cfg.tracking_uri} is not reachable ({_first_line(error)}); "
-                f"training goes on without tracking"
+                f"MLflow at {self._cfg.tracking_uri} failed ({_first_line(error)}); training goes on without tracking"
             )
+            if self.run_id is not None:  # opened, then failed: not to be left RUNNING
+                with contextlib.suppress(Exception):  # the store is failing already; said above
+                    self._client.set_terminated(self.run_id, status="FAILED")
             self.run_id, self._client = None, None
 
     def _create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
-        run = self._client.create_run(self._experiment_id(), run_name=self._run_name, tags={**tags, **self._sweep_tags})
+        experiment = experiment_id(self._client, self._cfg)
+        run = self._client.create_run(experiment, run_name=self._run_name, tags={**tags, **self._sweep_tags})
         self.run_id = run.info.run_id
         self._log_params(params)
         self._client.log_text(self.run_id, config_yaml, "config.yaml")
@@ -142,7 +146,7 @@ class Tracker:
             run = self._client.get_run(run_id) if run_id else None
         except MlflowException:
             run = None
-        if run is None:
+        if run is None or run.info.lifecycle_stage == "deleted":
             log.info(f"MLflow run {run_id} is not in {self._cfg.tracking_uri}; continuing in a new run")
             self._create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
             return
@@ -158,7 +162,7 @@ class Tracker:
 
     def _start_logging(self, resumed: bool) -> None:
         spill = self._spill_dir / f"unsent-metrics-{self.run_id}.jsonl"
-        self._sender = _MetricSender(self._cfg.tracking_uri, self.run_id, spill)
+        self._sender = _Handover(self._cfg.tracking_uri, self.run_id, spill)
         if self._cfg.system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -167,18 +171,18 @@ class Tracker:
             )
             self._monitor.start()
 
-    def _experiment_id(self) -> str:
-        experiment = self._client.get_experiment_by_name(self._cfg.experiment_name)
-        if experiment is not None:
-            return experiment.experiment_id
-        return self._client.create_experiment(
-            self._cfg.experiment_name, artifact_location=_artifact_location(self._cfg)
-        )
-
     def _log_params(self, params: dict[str, str]) -> None:
         items = [Param(key, value) for key, value in params.items()]
         for start in range(0, len(items), 100):  # MLflow takes at most 100 params per call
             self._client.log_batch(self.run_id, params=items[start : start + 100])
+
+
+def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
+    """The id of `mlflow.experiment_name`, created on first use."""
+    experiment = client.get_experiment_by_name(cfg.experiment_name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(cfg.experiment_name, artifact_location=_artifact_location(cfg))
 
 
 def _artifact_location(cfg: MlflowConfig) -> str | None:
@@ -195,8 +199,8 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-class _MetricSender:
-    """The training process's end: gathers metrics and hands them, as JSON lines, to the sender
+class _Handover:
+    """The training process's side: gathers metrics and hands them, as JSON lines, to the sender
     process through a pipe, from a thread of its own, so a full pipe never blocks training."""
 
     def __init__(self, tracking_uri: str, run_id: str, spill: Path) -> None:
@@ -238,8 +242,8 @@ class _MetricSender:
             log.warning(f"the MLflow sender process stopped: {error}")
 
 
-class _Drain:
-    """The sender process's loop: batches from `incoming` into `log_batch` calls, in order.
+class _Sender:
+    """The sender process's side: batches from `incoming` into `log_batch` calls, in order.
 
     When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`; what is
     still pending when `incoming` ends (None) goes to `spill`, a JSON-lines file.
@@ -309,7 +313,7 @@ def drain(tracking_uri: str, run_id: str, spill: Path) -> None:
         incoming.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    _Drain(MlflowClient(tracking_uri=tracking_uri), run_id, spill, incoming).run()
+    _Sender(MlflowClient(tracking_uri=tracking_uri), run_id, spill, incoming).run()
 
 
 def replay(path: Path, tracking_uri: str) -> int:

@@ -103,7 +103,8 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     scaler = build_scaler(cfg.amp, device)
     home = Path(cfg.checkpoint.dir) / job.key if job else Path(cfg.checkpoint.dir)  # each sweep job has its own
-    tracker = Tracker(cfg.mlflow, home, job.parent_run_id if job else None, job.key if job else None)
+    parent_run_id, run_name = (job.parent_run_id, job.key) if job else (None, None)
+    tracker = Tracker(cfg.mlflow, home, parent_run_id, run_name)
     run = Run(cfg, device, home, model, criterion, optimizer, scheduler, scaler, tracker)
 
     # 5. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
@@ -118,10 +119,12 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     position, step = Position(), 0
     probe = Probe.of(data.val, torch.arange(min(cfg.checkpoint.continuity.probe_size, len(data.val))))
     if found is not None:
-        saved = found[1]
+        resumed_from, saved = found
         restore(run, saved)
         position, step = Position(**saved["data_position"]), saved["step"]
         probe = Probe.of(data.val, saved["probe"]["indices"])
+        if (folder := checkpoints.set_aside_newer(home, step)) is not None:
+            log.info(f"resuming from step {step}: the newer checkpoints of {home} are moved to {folder}")
 
     # 6. Optimize for the device after the restore, so that it starts from the restored state.
 {%- if cookiecutter.ipex %}
@@ -138,67 +141,74 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     audit_placement(device, run.model, run.optimizer, run.scaler)
 
     # 8. One MLflow run across resumes; then the continuity check: the probe loss now must
-    #    match the probe loss stored at save.
-    record = (flat_params(cfg), comparison_tags(cfg, device), OmegaConf.to_yaml(cfg, resolve=True))
-    if found is None:
-        run.tracker.start(*record)
-    else:
-        run.tracker.reattach(saved.get("mlflow_run_id"), *record, checkpoint=str(found[0]))
-    status = "FAILED"
-    try:
-        continuity = check_continuity(run, saved, probe, step) if found is not None else "fresh"
+    #    match the probe loss stored at save. Signals wait for a checkpoint from here on.
+    trainer, status = cfg.trainer, "FAILED"
+    with Preemption() as preemption:
+        record = (flat_params(cfg), comparison_tags(cfg, device), OmegaConf.to_yaml(cfg, resolve=True))
+        if found is None:
+            run.tracker.start(*record)
+        else:
+            run.tracker.reattach(saved.get("mlflow_run_id"), *record, checkpoint=str(resumed_from))
+        try:
+            continuity = check_continuity(run, saved, probe, step) if found is not None else "fresh"
 
-        # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
-        trainer = cfg.trainer
-        stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
-        last_saved = step if found is not None else None
-        with Preemption() as preemption, tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
+            # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
+            stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
+            last_saved = step if found is not None else None
             first_step, started, samples = step, time.perf_counter(), 0
-            window_start, window_samples = started, 0
-            while step < trainer.max_steps and preemption.received is None:
-                micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
-                loss = train_step(run, micro_batches)
-                step += 1
-                batch_samples = sum(len(targets) for _, targets in micro_batches)
-                window_samples, samples = window_samples + batch_samples, samples + batch_samples
-                bar.update()
-                if step % trainer.log_every_n_steps == 0:
-                    seconds = time.perf_counter() - window_start
-                    metrics = {
-                        "train/loss": loss.item(),
-                        "train/lr": run.optimizer.param_groups[0]["lr"],
-                        "train/samples_per_s": window_samples / seconds,
-                        "train/step_time_ms": 1000 * seconds / trainer.log_every_n_steps,
-                    }
-                    run.tracker.log_metrics(metrics, step)
-                    bar.set_postfix(
-                        loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}"
-                    )
-                    window_start, window_samples = time.perf_counter(), 0
-                if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
-                    run.tracker.log_metrics(evaluate(run, data.val), step)
-                if step % cfg.checkpoint.every_n_steps == 0:
-                    last_saved = save(run, position, step, probe)
+            window_start, window_steps, window_samples = started, 0, 0
+            with tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
+                while step < trainer.max_steps and preemption.received is None:
+                    micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
+                    loss = train_step(run, micro_batches)
+                    step += 1
+                    batch_samples = sum(len(targets) for _, targets in micro_batches)
+                    samples += batch_samples
+                    window_steps += 1
+                    window_samples += batch_samples
+                    bar.update()
+                    if step % trainer.log_every_n_steps == 0:
+                        seconds = time.perf_counter() - window_start
+                        metrics = {
+                            "train/loss": loss.item(),
+                            "train/lr": run.optimizer.param_groups[0]["lr"],
+                            "train/samples_per_s": window_samples / seconds,
+                            "train/step_time_ms": 1000 * seconds / window_steps,
+                        }
+                        run.tracker.log_metrics(metrics, step)
+                        bar.set_postfix(
+                            loss=f"{metrics['train/loss']:.4f}", samples_s=f"{window_samples / seconds:.0f}"
+                        )
+                        window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+                    if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
+                        run.tracker.log_metrics(evaluate(run, data.val), step)
+                    if step % cfg.checkpoint.every_n_steps == 0:
+                        last_saved = save(run, position, step, probe)
             seconds = time.perf_counter() - started
+            trained = step > first_step
             throughput = {"train/steps_per_s": (step - first_step) / seconds, "train/samples_per_s": samples / seconds}
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
             if last_saved != step:
                 save(run, position, step, probe)
-        status = "KILLED" if preemption.received else "FINISHED"
-    finally:
-        run.tracker.finish(status)
+            stopped = (
+                preemption.received if step < trainer.max_steps else None
+            )  # a signal after the last step stops nothing
+            status = "KILLED" if stopped else "FINISHED"
+        finally:
+            run.tracker.finish(status)
 
     newest = checkpoints.path_of(home, step)
-    if preemption.received:
-        log.info(f"stopped at step {step} by {preemption.received.name}; saved {newest}; continue with resume=last")
-        raise SystemExit(128 + preemption.received)
+    if stopped:
+        log.info(f"stopped at step {step} by {stopped.name}; saved {newest}; continue with resume=last")
+        raise SystemExit(128 + stopped)
     log.info(
         f"finished at step {step}: val/loss {val['val/loss']:.4f}, val/accuracy {val['val/accuracy']:.4f}; "
-        f"checkpoint {newest}; MLflow run {run.tracker.run_id}"
+        f"checkpoint {newest}; MLflow run {run.tracker.run_id or 'off'}"
     )
-    last_loss = {"train/loss": loss.item()} if step > first_step else {}
-    return {**last_loss, **val, **throughput, "continuity": continuity, "step": step, "run_id": run.tracker.run_id}
+    # A run resumed at its last step trains nothing: no training loss or throughput to report.
+    training = {"train/loss": loss.item(), **throughput} if trained else {}
+    return {**training, **val, "continuity": continuity, "step": step, "run_id": run.tracker.run_id}
 
 
 def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -268,7 +278,7 @@ def save(run: Run, position: Position, step: int, probe: Probe) -> int:
         "mlflow_run_id": run.tracker.run_id,
         "config": OmegaConf.to_container(run.cfg, resolve=True),
         "device": {"type": run.device.type, "name": describe(run.device)},
-        "amp": {"enabled": run.cfg.amp.enabled, "dtype": run.cfg.amp.dtype},
+        "amp": amp_setting(run.cfg),
         "versions": library_versions(),
     }
     checkpoints.save(state, run.home, step, run.cfg.checkpoint.keep_last)
@@ -318,7 +328,7 @@ def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
         )
 
 
-def report_changes(saved: dict, current: dict) -> dict[str, str]:
+def report_changes(saved: dict, current: dict) -> None:
     """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said."""
     before, after = flatten(saved), flatten(current)
     changed = {
@@ -328,7 +338,6 @@ def report_changes(saved: dict, current: dict) -> dict[str, str]:
     }
     if changed:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
-    return changed
 
 
 def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
@@ -336,10 +345,7 @@ def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
     and AMP setting; within `checkpoint.continuity.rtol` when either changed."""
     settings = run.cfg.checkpoint.continuity
     before, now = saved["probe"]["loss"], probe_loss(run, probe)
-    same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == {
-        "enabled": run.cfg.amp.enabled,
-        "dtype": run.cfg.amp.dtype,
-    }
+    same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == amp_setting(run.cfg)
     ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
     verdict = "ok" if ok else "mismatch"
     run.tracker.log_metrics({"resume/loss": now, "resume/loss_delta": abs(now - before)}, step)
@@ -353,6 +359,10 @@ def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
         raise RunError(f"{line}: {tolerance}; the restore is not faithful")
     log.warning(f"{line}: {tolerance}")
     return verdict
+
+
+def amp_setting(cfg: Config) -> dict:
+    return {"enabled": cfg.amp.enabled, "dtype": cfg.amp.dtype}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
