@@ -7,7 +7,7 @@ VENV := .venv
 # Inside the venv, so deleting the venv also forgets that it was set up.
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo format clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ test: setup
 
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/demo.sh
+
+# Ruff over the template's Jinja-laden Python, with the generated project's settings.
+format: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python scripts/format_template.py
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .ruff_cache
