@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Bounds a hung generated suite so CI fails with output instead of stalling.
-TIMEOUT_S = 1200
+TIMEOUT_S = 2400
 
 
 def run(command: list[str], cwd: Path) -> None:
