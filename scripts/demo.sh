@@ -18,6 +18,6 @@ python run.py device=cpu trainer.max_steps=400 resume=last
 cat <<'MSG'
 
 Both legs are logged to MLflow. To look at them:
-  cd demo/my-trainer && mlflow ui --backend-store-uri sqlite:///mlflow.db
+  cd demo/my-trainer && ../../.venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
 then open http://127.0.0.1:5000
 MSG

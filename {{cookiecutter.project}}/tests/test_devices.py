@@ -59,9 +59,10 @@ def test_auto_prefers_cuda_then_xpu_then_mps_then_cpu(fake_accelerators, present
     assert str(resolve_device(device_cfg("auto"))) == expected
 
 
-def test_a_present_accelerator_resolves_to_the_asked_index(fake_accelerators):
+@pytest.mark.parametrize("kind", ["xpu", "auto"])
+def test_a_present_accelerator_resolves_to_the_asked_index(fake_accelerators, kind):
     fake_accelerators(xpu=2)
-    assert resolve_device(device_cfg("xpu", 1)) == torch.device("xpu", 1)
+    assert resolve_device(device_cfg(kind, 1)) == torch.device("xpu", 1)
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])

@@ -1,6 +1,7 @@
 """Which device a run uses, a preflight that fails before anything is built, and the placement
 audit that proves every tensor the first step touches is on that device."""
 
+import logging
 import platform
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 from .config import DeviceConfig
 from .errors import RunError
 
+log = logging.getLogger(__name__)
+
 ACCELERATORS = ("cuda", "xpu")
 # One per core by default; read once, before anything changes it.
 DEFAULT_THREADS = torch.get_num_threads()
@@ -16,30 +19,28 @@ DEFAULT_THREADS = torch.get_num_threads()
 
 def resolve_device(cfg: DeviceConfig) -> torch.device:
     """The device the config asks for, or a one-line error saying why it cannot be had."""
-    if cfg.type == "auto":
-        for kind in ACCELERATORS:
-            if getattr(torch, kind).is_available():
-                return torch.device(kind, 0)
-        return torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
-    if cfg.type == "cpu":
-        return torch.device("cpu")
-    if cfg.type not in ACCELERATORS:
-        raise RunError(
-            f"device.type={cfg.type!r} is not a device this project knows; use device=cpu, cuda, xpu or auto"
-        )
-    backend = getattr(torch, cfg.type)
+    kind = cfg.type
+    if kind == "auto":
+        present = [accelerator for accelerator in ACCELERATORS if getattr(torch, accelerator).is_available()]
+        kind = present[0] if present else "mps" if torch.backends.mps.is_available() else "cpu"
+        log.info(f"device=auto chose {kind}")
+    if kind in ("cpu", "mps"):
+        return torch.device(kind)
+    if kind not in ACCELERATORS:
+        raise RunError(f"device.type={kind!r} is not a device this project knows; use device=cpu, cuda, xpu or auto")
+    backend = getattr(torch, kind)
     if not backend.is_available():
         raise RunError(
-            f"device={cfg.type} was asked for, but torch.{cfg.type}.is_available() is False "
+            f"device={kind} was asked for, but torch.{kind}.is_available() is False "
             f"(this torch build is {torch.__version__}); use device=auto or device=cpu, "
-            f"or install a torch build with {cfg.type} support"
+            f"or install a torch build with {kind} support"
         )
     if cfg.index >= backend.device_count():
         raise RunError(
-            f"device.index={cfg.index} was asked for, but torch.{cfg.type}.device_count() is "
+            f"device.index={cfg.index} was asked for, but torch.{kind}.device_count() is "
             f"{backend.device_count()}; pick an index from 0 to {backend.device_count() - 1}"
         )
-    return torch.device(cfg.type, cfg.index)
+    return torch.device(kind, cfg.index)
 
 
 def set_cpu_threads(cfg: DeviceConfig) -> None:
