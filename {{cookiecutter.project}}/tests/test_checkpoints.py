@@ -144,8 +144,9 @@ def test_resume_last_without_checkpoints_names_where_it_looked(tmp_path):
 def test_resume_auto_with_only_damaged_checkpoints_stops_instead_of_starting_over(tmp_path):
     save_steps(tmp_path, 10)
     corrupt(tmp_path / "step_00000010.pt")
-    with pytest.raises(RunError, match="resume=auto found no valid checkpoint in"):
-        checkpoints.find("auto", tmp_path)
+    for resume in ("auto", "last"):
+        with pytest.raises(RunError, match=f"resume={resume}: .* holds checkpoints, but none loads"):
+            checkpoints.find(resume, tmp_path)
 
 
 def test_checkpoints_past_a_step_are_set_aside_not_deleted(tmp_path):

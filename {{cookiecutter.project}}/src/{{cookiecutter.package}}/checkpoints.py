@@ -92,9 +92,14 @@ def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
         return None
     if resume in ("last", "auto"):
         found = newest_valid(home)
-        if found is None and (resume == "last" or has_checkpoints(home)):
+        if found is None and has_checkpoints(home):
             raise RunError(
-                f"resume={resume} found no valid checkpoint in {home}; train without resume first, "
+                f"resume={resume}: {home} holds checkpoints, but none loads (see the warnings above); "
+                f"pass resume=<a checkpoint you trust>, or move them away to start fresh"
+            )
+        if found is None and resume == "last":
+            raise RunError(
+                f"resume=last found no valid checkpoint in {home}; train without resume first, "
                 f"or pass resume=auto to start fresh when there is none"
             )
         if found is None:
