@@ -1,20 +1,42 @@
 """Checkpoint files: atomic saves, retention, the `latest` pointer, damage, unsafe pickles, and
 what `resume=` finds."""
 
+import contextlib
 import logging
 import os
+import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from {{cookiecutter.package}} import checkpoints
-from {{cookiecutter.package}}.checkpoints import CheckpointError
+from {{cookiecutter.package}}.checkpoints import CheckpointError, SaveError
 from {{cookiecutter.package}}.errors import RunError
 
 
 def state(step: int) -> dict:
-    return {"format_version": checkpoints.FORMAT_VERSION, "step": step, "weights": torch.full((64, 64), float(step))}
+    """A complete checkpoint, as train.save writes one, with weights that tell steps apart."""
+    return {
+        "format_version": checkpoints.FORMAT_VERSION,
+        "step": step,
+        "data_position": {"epoch": 0, "batch": step},
+        "model": {"weights": torch.full((64, 64), float(step))},
+        "optimizer": {"state": {}, "param_groups": []},
+        "optimizer_name": "adamw",
+        "scheduler": {},
+        "scaler": {},
+        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "probe": {"indices": torch.arange(4), "loss": 0.5},
+        "mlflow_run_id": None,
+        "config": {},
+        "device": {"type": "cpu", "name": "cpu"},
+        "amp": {"enabled": False, "dtype": "bfloat16"},
+        "versions": {},
+    }
 
 
 def save_steps(home: Path, *steps: int, keep_last: int = 10) -> None:
@@ -34,7 +56,7 @@ def test_save_writes_the_file_and_the_latest_pointer(tmp_path):
     path = checkpoints.save(state(7), tmp_path, 7, keep_last=3)
     assert path == tmp_path / "step_00000007.pt"
     assert (tmp_path / "latest").read_text() == "step_00000007.pt"
-    assert torch.equal(checkpoints.load(path)["weights"], torch.full((64, 64), 7.0))
+    assert torch.equal(checkpoints.load(path)["model"]["weights"], torch.full((64, 64), 7.0))
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -45,11 +67,8 @@ def test_only_the_newest_keep_last_checkpoints_remain(tmp_path):
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     save_steps(tmp_path, 10)
-    real_save = torch.save
-
     def dies_halfway(obj, file):
-        real_save(obj, file)
-        file.truncate(100)  # part of the bytes reached the disk, then the process died
+        file.write(b"PK\x03\x04" + bytes(96))  # part of the bytes reached the disk, then the process died
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", dies_halfway)
@@ -75,8 +94,7 @@ def test_a_crash_between_the_checkpoint_and_the_pointer_still_resumes_from_the_n
     monkeypatch.setattr(os, "replace", real_replace)
     # The rename made the file whole: step 20 is complete, though the pointer still names 10.
     assert checkpoints.find("last", tmp_path)[1]["step"] == 20
-    save_steps(tmp_path, 30)
-    assert not list(tmp_path.glob("*.tmp")), "the next save clears what the crash left"
+    assert not list(tmp_path.glob("*.tmp")), "an interrupted save removes its own temporary file"
 
 
 def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path, caplog):
@@ -120,8 +138,12 @@ def test_a_malicious_pickle_is_refused_and_its_code_never_runs(tmp_path):
     marker = tmp_path / "pwned.txt"
     path = tmp_path / "step_00000001.pt"
     torch.save({"format_version": checkpoints.FORMAT_VERSION, "payload": WritesAFile(marker)}, path)
-    with pytest.raises(CheckpointError, match="was refused: it holds objects that only unrestricted unpickling"):
+    with pytest.raises(CheckpointError) as refused:
         checkpoints.load(path)
+    assert str(refused.value) == (
+        f"{path} was refused: it asks for exec, which only unrestricted unpickling could rebuild, "
+        f"and that can run arbitrary code; load only checkpoints this project wrote"
+    )  # and not torch's own advice that weights_only=False "will likely succeed"
     assert not marker.exists()
     torch.load(path, weights_only=False)  # the control: this file really does run code when trusted
     assert marker.read_text() == "pwned"
@@ -178,3 +200,122 @@ def test_resume_path_takes_a_file_or_the_newest_in_a_folder(tmp_path):
 def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
     with pytest.raises(RunError, match="resume=/no/such.pt: no such file or folder"):
         checkpoints.find("/no/such.pt", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda s: {"format_version": checkpoints.FORMAT_VERSION, "step": 5}, "data_position is missing; model is missing"),
+        (lambda s: {key: value for key, value in s.items() if key != "rng"}, "rng is missing"),
+        (lambda s: {**s, "step": "5"}, "step is a str"),
+        (lambda s: {**s, "step": -1}, "step=-1 is not a count"),
+        (lambda s: {**s, "data_position": {**s["data_position"], "extra": 1}}, "data_position holds batch, epoch, extra, not batch, epoch"),
+        (lambda s: {**s, "probe": {"indices": s["probe"]["indices"]}}, "probe holds indices, not indices, loss"),
+    ],
+    ids=["only-a-step", "no-rng", "text-step", "negative-step", "extra-position-key", "probe-without-loss"],
+)
+def test_an_incomplete_checkpoint_is_named_in_one_line_and_resume_last_falls_back_past_it(tmp_path, caplog, change, problem):
+    save_steps(tmp_path, 10)
+    torch.save(change(state(20)), tmp_path / "step_00000020.pt")
+    with pytest.raises(CheckpointError) as raised:
+        checkpoints.load(tmp_path / "step_00000020.pt")
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'step_00000020.pt'} is not a complete checkpoint: ") and "\n" not in message
+    assert problem in message
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+    assert "is not a complete checkpoint" in caplog.text
+
+
+def test_a_second_claim_on_a_home_is_refused_naming_the_holder_until_the_first_ends(tmp_path):
+    with checkpoints.claim(tmp_path):
+        with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path):
+            pass
+        assert str(raised.value).startswith(f"{tmp_path} is in use by PID {os.getpid()} on {socket.gethostname()}, started ")
+        assert "experiment=<another name>" in str(raised.value)
+    with checkpoints.claim(tmp_path):  # released with the first
+        pass
+
+
+def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from {checkpoints.__name__} import claim; import pathlib, time\n"
+         f"with claim(pathlib.Path({str(tmp_path)!r})):\n    print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RunError, match=f"in use by PID {holder.pid} "), checkpoints.claim(tmp_path):
+        pass
+    holder.kill()
+    holder.wait()
+    with checkpoints.claim(tmp_path):
+        pass
+
+
+def test_a_claim_removes_only_the_temporary_files_this_module_writes(tmp_path):
+    save_steps(tmp_path, 10)
+    ours = ["step_00000020.pt.4242-0a1b2c3d.tmp", "latest.4242-0a1b2c3d.tmp", "write-test.4242-0a1b2c3d.tmp"]
+    foreign = ["thesis.tmp", "step_00000020.pt.tmp", "notes.pt", "latest.backup"]
+    for name in ours + foreign:
+        (tmp_path / name).write_text("left over")
+    with checkpoints.claim(tmp_path):
+        pass
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [*foreign, "latest", "run.lock", "step_00000010.pt"]
+    )
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
+    target = tmp_path / "not-a-folder"
+    target.write_text("mine")
+    with pytest.raises(RunError) as raised, checkpoints.claim(target):
+        pass
+    assert str(raised.value) == (
+        f"cannot write checkpoints to {target} (it is a file, not a folder); free space or fix its permissions, "
+        f"or choose another folder with checkpoint.dir=<path>"
+    )
+    assert target.read_text() == "mine"
+
+
+@contextlib.contextmanager
+def unwritable(folder: Path):
+    """A folder this process cannot write to: read-only for a normal user; immutable for root,
+    whom permissions do not stop."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield "Permission denied"
+        folder.chmod(0o755)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
+        pytest.skip("running as root, and this file system cannot make a folder immutable")
+    try:
+        yield "Operation not permitted"
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_folder_that_cannot_be_written_is_refused_with_the_os_reason(tmp_path):
+    with unwritable(tmp_path / "locked") as reason:
+        with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path / "locked" / "demo"):
+            pass
+        assert str(raised.value).startswith(f"cannot write checkpoints to {tmp_path / 'locked' / 'demo'} ({reason});")
+
+
+def test_a_save_onto_a_full_disk_says_so_and_leaves_the_previous_checkpoint_and_no_partial_file(tmp_path, monkeypatch):
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full, which fails every write with ENOSPC")
+    save_steps(tmp_path, 10)
+
+    def onto_a_full_disk(path, mode="r", *args, **kwargs):
+        if str(path).endswith(".tmp"):  # the file really is created, then every write to it fails
+            open(path, mode).close()
+            return open("/dev/full", "wb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "open", onto_a_full_disk, raising=False)
+    with pytest.raises(SaveError) as raised:
+        checkpoints.save(state(20), tmp_path, 20, keep_last=1)
+    assert str(raised.value) == f"could not write {tmp_path / 'step_00000020.pt'} (No space left on device)"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_00000010.pt"]
+    assert (tmp_path / "latest").read_text() == "step_00000010.pt"

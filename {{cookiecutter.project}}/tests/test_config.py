@@ -72,12 +72,41 @@ def test_bad_values_and_misspelt_keys_fail_at_composition(make_cfg, override, me
     [
         ("checkpoint.keep_last=0", "checkpoint.keep_last=0 must be at least 1"),
         ("trainer.max_steps=-1", "trainer.max_steps=-1 must not be negative"),
-        ("checkpoint.continuity.on_mismatch=ignore", "must be warn or error"),
+        ("checkpoint.continuity.on_mismatch=ignore", "checkpoint.continuity.on_mismatch=ignore must be one of warn, error"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite=ignore must be one of stop, skip_step, warn"),
+        ("optimizer.lr=-1", "optimizer.lr=-1.0 must not be negative"),
+        ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1.0 must not be negative"),
+        ("model.dropout=1.5", "model.dropout=1.5 must be at least 0 and below 1"),
+        ("data.num_workers=-1", "data.num_workers=-1 must not be negative"),
+        ("device.cpu_threads=-3", "device.cpu_threads=-3 must not be negative"),
+        ("model.hidden_sizes=[0]", "model.hidden_sizes=[0] must hold sizes of at least 1"),
+        ("scheduler.warmup_steps=-10", "scheduler.warmup_steps=-10 must not be negative"),
+        ("checkpoint.continuity.rtol=-1", "checkpoint.continuity.rtol=-1.0 must not be negative"),
+        ("data.val_fraction=0", "data.val_fraction=0.0 must be above 0 and below 1"),
+        ("data.val_fraction=1.0", "data.val_fraction=1.0 must be above 0 and below 1"),
+        ("scheduler.total_steps=-5", "scheduler.total_steps=-5 must not be negative"),
+        ("+optimzer=sgd", "optimzer is not a setting (did you mean optimizer?)"),
+        ("+trainer.max_step=5", "trainer.max_step is not a setting (did you mean trainer.max_steps?)"),
+        ("experiment=../../../../tmp/x", "experiment='../../../../tmp/x' must be a plain name"),
+        ("experiment=/tmp/x", "experiment='/tmp/x' must be a plain name"),
+        ("experiment=a/./b", "experiment='a/./b' must be a plain name"),
     ],
 )
-def test_out_of_range_values_are_named_before_any_work(make_cfg, override, message):
-    with pytest.raises(RunError, match=message):
+def test_out_of_range_values_are_named_in_one_line_before_any_work(make_cfg, override, message):
+    with pytest.raises(RunError) as raised:
         check_values(make_cfg(override))
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_nested_experiment_name_and_every_shipped_option_pass_the_checks(make_cfg):
+    check_values(make_cfg("experiment=team/ablation-1.2_b", "optimizer=sgd", "scheduler=constant", "amp=fp16"))
+
+
+def test_an_index_on_the_cpu_is_refused_but_auto_may_resolve_to_the_cpu_with_one(make_cfg):
+    with pytest.raises(RunError, match="device.index=7 means nothing on device=cpu; leave device.index out"):
+        check_values(make_cfg("device=cpu", "device.index=7"))
+    check_values(make_cfg("device=auto", "device.index=1"))
 
 
 def test_the_slurm_preset_extends_submitits_slurm_launcher():

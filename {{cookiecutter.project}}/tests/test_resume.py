@@ -92,7 +92,7 @@ def test_the_restore_in_the_recipe_lands_every_tensor_on_the_target_device(make_
     model = build_model(cfg.model, 64, 10).to(meta)
     optimizer = build_optimizer(cfg.optimizer, model)
     run = recipe.Run(
-        cfg, meta, checkpoint_dir, model, nn.CrossEntropyLoss(), optimizer, build_scheduler(cfg.scheduler, optimizer, 10),
+        cfg, meta, checkpoint_dir, model, nn.CrossEntropyLoss(), optimizer, build_scheduler(cfg.scheduler, optimizer),
         build_scaler(cfg.amp, meta), Tracker(cfg.mlflow, checkpoint_dir),
     )  # fmt: skip
     recipe.restore(run, saved)
@@ -154,12 +154,12 @@ def test_a_fp16_checkpoint_carries_the_scaler_state(make_cfg, checkpoint_dir):
 
 def test_a_fresh_run_refuses_to_overwrite_an_experiments_checkpoints(make_cfg, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
-    before = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()}
+    saved = {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")}
     with pytest.raises(
         RunError, match="already holds checkpoints of experiment 'demo'; continue them with resume=last"
     ):
         recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
-    assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()} == before
+    assert {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")} == saved
 
 
 def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_not(make_cfg, caplog):

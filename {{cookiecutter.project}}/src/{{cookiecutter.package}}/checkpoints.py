@@ -1,20 +1,27 @@
-"""Checkpoint files: atomic writes, the `latest` pointer, retention, safe loading, and what
-`resume=` means.
+"""Checkpoint files: the run's claim on its folder, atomic writes, the `latest` pointer,
+retention, safe loading, and what `resume=` means.
 
 A checkpoint is one file, `step_00001200.pt`. It is written to a temporary name, flushed,
 fsynced and then renamed over the target, so a crash at any instant, mid-save included, leaves the
 previous checkpoint whole. What the rename cannot prevent, a file damaged after it was written (a
 truncated copy, a bad disk), the CRC-32 that torch.save stores for every record reveals: `load`
 checks them all, which torch.load alone does not.
+
+A run holds its checkpoint folder (its home) for its whole life with an OS lock, so a second run
+on the same experiment stops at once instead of overwriting the first; and it deletes only files
+whose names it writes itself.
 """
 
+import contextlib
 import logging
 import os
 import pickle
 import re
+import secrets
+import socket
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -22,26 +29,107 @@ import torch
 
 from .errors import RunError
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 POINTER = "latest"
+LOCK = "run.lock"
 NAME = re.compile(r"step_(\d+)\.pt")
+# Temporary files this module writes, and so the only ones it removes: `step_00000100.pt.<tag>.tmp`,
+# `latest.<tag>.tmp` and the write test's `write-test.<tag>.tmp`.
+TEMPORARY = re.compile(r"(step_\d+\.pt|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RunError):
-    """A checkpoint that cannot be used: damaged, unsafe, or from an unknown format."""
+    """A checkpoint that cannot be used: damaged, unsafe, incomplete, or from an unknown format."""
+
+
+class SaveError(RunError):
+    """A checkpoint that could not be written (a full disk, a folder gone read-only)."""
+
+
+@contextlib.contextmanager
+def claim(home: Path) -> Iterator[None]:
+    """Holds `home` for the life of the `with` block, after checking that it can be written.
+
+    The lock is `flock` on `run.lock`: the OS drops it when the process ends, however it ends, so
+    kill -9 never leaves a stale lock. The file names the holder for whoever finds it locked.
+    """
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        lock = open(home / LOCK, "a+")  # not "w": the holder's name stays readable until we hold it
+    except OSError as error:
+        raise RunError(_unusable(home, error)) from None
+    try:
+        _lock(lock, home)
+        for leftover in home.iterdir():  # from a run that died mid-save; none can be writing now
+            if TEMPORARY.fullmatch(leftover.name):
+                leftover.unlink(missing_ok=True)
+        _check_writable(home)
+        yield
+    finally:
+        lock.close()  # releases the lock
+
+
+def _lock(lock, home: Path) -> None:
+    if fcntl is None:
+        log.warning(f"this platform has no flock: a second run on {home} would not be stopped")
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another run (starting up)"
+        raise RunError(
+            f"{home} is in use by {holder}; wait for that run to end (or stop it), "
+            f"or train separately with experiment=<another name>"
+        ) from None
+    lock.truncate(0)  # in append mode, the write below then starts the file
+    lock.write(f"PID {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+
+
+def _check_writable(home: Path) -> None:
+    """Writes, syncs and removes a small file, so that a folder that cannot take checkpoints (read
+    only, immutable, a full disk) stops the run now, not at its first save hours later."""
+    probe = _temporary(home / "write-test")
+    try:
+        with open(probe, "xb") as file:
+            file.write(bytes(4096))
+            file.flush()
+            os.fsync(file.fileno())
+        probe.unlink()
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        raise RunError(_unusable(home, error)) from None
+
+
+def _unusable(home: Path, error: OSError) -> str:
+    reason = "it is a file, not a folder" if home.is_file() else error.strerror or str(error)
+    return (
+        f"cannot write checkpoints to {home} ({reason}); free space or fix its permissions, "
+        f"or choose another folder with checkpoint.dir=<path>"
+    )
 
 
 def save(state: dict, home: Path, step: int, keep_last: int) -> Path:
     """Writes `state` as the checkpoint of `step`, points `latest` at it, and keeps the newest
-    `keep_last` checkpoints."""
-    home.mkdir(parents=True, exist_ok=True)
+    `keep_last` checkpoints. A write that fails raises SaveError and leaves no file behind."""
     path = path_of(home, step)
-    _write_atomically(path, lambda file: torch.save(state, file), durable=True)
-    # For people and tools only (resume goes by step numbers), so it needs no fsync of its own.
-    _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
-    _sync_folder(home)  # both renames survive a power cut
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda file: _torch_save(state, file), durable=True)
+        # For people and tools only (resume goes by step numbers), so it needs no fsync of its own.
+        _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
+        _sync_folder(home)  # both renames survive a power cut
+    except OSError as error:
+        raise SaveError(f"could not write {path} ({error.strerror or error})") from None
     _prune(home, keep_last)
     return path
 
@@ -67,11 +155,12 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        lines = str(error).strip().splitlines()
-        reason = next((line.strip() for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+        # Only the name of what was refused: torch's own text goes on to suggest weights_only=False.
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        reason = f"it asks for {named[1]}" if named else "it holds more than tensors and plain values"
         raise CheckpointError(
-            f"{path} was refused: it holds objects that only unrestricted unpickling could rebuild, "
-            f"which can run arbitrary code ({reason}); load only checkpoints this project wrote"
+            f"{path} was refused: {reason}, which only unrestricted unpickling could rebuild, and that can "
+            f"run arbitrary code; load only checkpoints this project wrote"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -79,7 +168,49 @@ def load(path: Path) -> dict:
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}")
+    if problems := _structure_problems(state):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
     return state
+
+
+# What train.save writes, checked at load: a checkpoint with a part missing or malformed is
+# named in one line (and skipped by resume=last) instead of failing mid-restore with a KeyError.
+STRUCTURE = {
+    "step": int,
+    "data_position": dict,
+    "model": dict,
+    "optimizer": dict,
+    "optimizer_name": str,
+    "scheduler": dict,
+    "scaler": dict,
+    "rng": dict,
+    "probe": dict,
+    "mlflow_run_id": (str, type(None)),
+    "config": dict,
+    "device": dict,
+    "amp": dict,
+    "versions": dict,
+}
+PARTS = {"data_position": {"epoch", "batch"}, "rng": {"python", "numpy", "torch"}, "probe": {"indices", "loss"}}
+
+
+def _structure_problems(state: dict) -> list[str]:
+    problems = [f"{key} is missing" for key in STRUCTURE if key not in state]
+    problems += [
+        f"{key} is a {type(state[key]).__name__}"
+        for key, kind in STRUCTURE.items()
+        if key in state and not isinstance(state[key], kind)
+    ]
+    if problems:
+        return problems
+    problems += [
+        f"{key} holds {', '.join(sorted(map(str, state[key])))}, not {', '.join(sorted(parts))}"
+        for key, parts in PARTS.items()
+        if not parts <= state[key].keys() or (key == "data_position" and state[key].keys() != parts)
+    ]
+    counters = {"step": state["step"], **{f"data_position.{k}": v for k, v in state["data_position"].items()}}
+    problems += [f"{key}={value!r} is not a count" for key, value in counters.items() if type(value) is not int or value < 0]
+    return problems
 
 
 def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
@@ -159,19 +290,50 @@ def _steps(home: Path) -> list[tuple[int, Path]]:
 def _prune(home: Path, keep_last: int) -> None:
     for _, path in sorted(_steps(home), reverse=True)[keep_last:]:
         path.unlink(missing_ok=True)
-    for leftover in home.glob("*.tmp"):  # from a save that crashed before its rename
-        leftover.unlink(missing_ok=True)
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: bool) -> None:
-    # The temporary name keeps an extension: torch.save rejects some dot-names without one.
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        write(file)
-        if durable:
+    temporary = _temporary(path)
+    try:
+        with open(temporary, "xb") as file:
+            write(file)
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:  # a full disk or an interrupt: no half-written file stays behind
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def _temporary(path: Path) -> Path:
+    """A name no other writer uses; it keeps an extension, as torch.save rejects some without."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def _torch_save(state: dict, file: BinaryIO) -> None:
+    """torch.save, raising the OS's error when a write fails: torch itself reports a full disk
+    as 'unexpected pos 704 vs 598'."""
+    failed: list[OSError] = []
+
+    class Recorder:
+        def write(self, data: bytes) -> int:
+            try:
+                return file.write(data)
+            except OSError as error:
+                failed.append(error)
+                raise
+
+        def flush(self) -> None:
             file.flush()
-            os.fsync(file.fileno())
-    os.replace(temporary, path)
+
+    try:
+        torch.save(state, Recorder())
+    except RuntimeError:
+        if failed:
+            raise failed[0] from None
+        raise
 
 
 def _sync_folder(folder: Path) -> None:

@@ -5,7 +5,9 @@ YAML file into its schema, so a misspelt key, `optimizer.lr=abc` or `amp.enabled
 run at composition time, before any work starts, with Hydra's own message.
 """
 
-from dataclasses import dataclass, field
+import difflib
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -51,6 +53,9 @@ class SchedulerConfig:
     name: str = MISSING  # constant | cosine
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine: the final lr as a fraction of optimizer.lr
+    # The step at which the schedule ends: its own setting, so that a run extended with a larger
+    # trainer.max_steps can keep the schedule it was trained on (see the README).
+    total_steps: int = MISSING
 
 
 @dataclass
@@ -101,6 +106,8 @@ class TrainerConfig:
     grad_clip: float | None = MISSING  # max gradient norm; null: no clipping
     compile: bool = MISSING  # torch.compile the model
     channels_last: bool = MISSING  # NHWC memory format, for convolutional models
+    on_nonfinite: str = MISSING  # stop | skip_step | warn: what a NaN or infinite loss does
+    nonfinite_patience: int = MISSING  # consecutive skipped non-finite steps before the run stops
 
 
 @dataclass
@@ -129,27 +136,68 @@ def project_root() -> str:
 
 
 def check_values(cfg: Config) -> None:
-    """What types cannot say, checked before any work starts: ranges and closed choices."""
-    at_least_one = {
-        "trainer.log_every_n_steps": cfg.trainer.log_every_n_steps,
-        "trainer.val_every_n_steps": cfg.trainer.val_every_n_steps,
-        "checkpoint.every_n_steps": cfg.checkpoint.every_n_steps,
-        "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "checkpoint.continuity.probe_size": cfg.checkpoint.continuity.probe_size,
-        "data.batch_size": cfg.data.batch_size,
-        "trainer.grad_accum_steps": cfg.trainer.grad_accum_steps,
-    }
-    problems = [f"{key}={value} must be at least 1" for key, value in at_least_one.items() if value < 1]
-    if cfg.trainer.max_steps < 0:
-        problems.append(f"trainer.max_steps={cfg.trainer.max_steps} must not be negative")
-    if cfg.trainer.grad_clip is not None and cfg.trainer.grad_clip <= 0:
-        problems.append(f"trainer.grad_clip={cfg.trainer.grad_clip} must be positive, or null for no clipping")
-    if cfg.checkpoint.continuity.on_mismatch not in ("warn", "error"):
+    """What types cannot say, checked before any work starts: unknown keys, ranges, closed
+    choices and a safe experiment name. Every problem found is named, in one line."""
+    problems = unknown_keys(cfg, Config)
+    for key, rule, explained in RULES:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not rule(value):
+            problems.append(f"{key}={value} {explained}")
+    for key, choices in CHOICES.items():
+        if (value := OmegaConf.select(cfg, key)) not in choices:
+            problems.append(f"{key}={value} must be one of {', '.join(choices)}")
+    if any(size < 1 for size in cfg.model.hidden_sizes):
+        problems.append(f"model.hidden_sizes={list(cfg.model.hidden_sizes)} must hold sizes of at least 1")
+    if cfg.device.type == "cpu" and cfg.device.index != 0:
+        problems.append(f"device.index={cfg.device.index} means nothing on device=cpu; leave device.index out")
+    if not EXPERIMENT.fullmatch(cfg.experiment) or {".", ".."} & set(cfg.experiment.split("/")):
         problems.append(
-            f"checkpoint.continuity.on_mismatch={cfg.checkpoint.continuity.on_mismatch} must be warn or error"
+            f"experiment={cfg.experiment!r} must be a plain name (letters, digits, '-', '_', '.', and '/' "
+            f"for nesting; no '.' or '..' part, not absolute), because it names a folder under checkpoints/; "
+            f"to keep checkpoints elsewhere, set checkpoint.dir=<path>"
         )
     if problems:
         raise RunError("; ".join(problems))
+
+
+EXPERIMENT = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+CHOICES = {
+    "checkpoint.continuity.on_mismatch": ("warn", "error"),
+    "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
+}
+# (key, what a valid value satisfies, what to say otherwise); a None value (an option that is
+# off, such as grad_clip=null) is not checked.
+RULES = [
+    *((key, lambda v: v >= 1, "must be at least 1") for key in (
+        "trainer.log_every_n_steps", "trainer.val_every_n_steps", "trainer.grad_accum_steps",
+        "trainer.nonfinite_patience", "checkpoint.every_n_steps", "checkpoint.keep_last",
+        "checkpoint.continuity.probe_size", "data.batch_size",
+    )),
+    *((key, lambda v: v >= 0, "must not be negative") for key in (
+        "trainer.max_steps", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum",
+        "scheduler.warmup_steps", "scheduler.total_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",
+    )),
+    ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
+    ("model.dropout", lambda v: 0 <= v < 1, "must be at least 0 and below 1"),
+    ("scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "must be from 0 to 1"),
+    ("optimizer.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two values from 0 to below 1"),
+    ("data.val_fraction", lambda v: 0 < v < 1, "must be above 0 and below 1: both training and validation need samples"),
+]  # fmt: skip
+
+
+def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
+    """Keys the schema does not have, with the nearest known name: `+optimzer=sgd` (Hydra's own
+    suggestion for a misspelt key) would otherwise add a setting that nothing reads."""
+    known = {field.name: field.type for field in fields(schema)}
+    found = []
+    for key in node:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {prefix}{near[0]}?" if near else f"known here: {', '.join(known)}"
+            found.append(f"{prefix}{key} is not a setting ({hint})")
+        elif is_dataclass(known[key]):
+            found += unknown_keys(node[key], known[key], f"{prefix}{key}.")
+    return found
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)

@@ -25,9 +25,9 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
     raise RunError(f"optimizer.name={cfg.name!r} has no builder; use optimizer=adamw or optimizer=sgd")
 
 
-def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, max_steps: int) -> LambdaLR:
+def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
     """A multiplier of `optimizer.lr` that is a pure function of the step: linear warm-up, then
-    constant or a cosine decay to `min_lr_ratio` at `max_steps`."""
+    constant or a cosine decay to `min_lr_ratio` at `total_steps`, and that floor after it."""
     if cfg.name not in ("constant", "cosine"):
         raise RunError(f"scheduler.name={cfg.name!r} has no builder; use scheduler=constant or scheduler=cosine")
     warmup = cfg.warmup_steps
@@ -37,7 +37,7 @@ def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, max_
             return (step + 1) / warmup
         if cfg.name == "constant":
             return 1.0
-        progress = min((step - warmup) / max(max_steps - warmup, 1), 1.0)
+        progress = min((step - warmup) / max(cfg.total_steps - warmup, 1), 1.0)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)

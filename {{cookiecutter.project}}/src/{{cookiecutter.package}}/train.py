@@ -5,6 +5,7 @@ does; moving one is how the failures this project exists to prevent come back.
 """
 
 import logging
+import math
 import platform
 import subprocess
 import sys
@@ -20,9 +21,11 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from . import checkpoints
+from .checkpoints import SaveError
 from .config import Config, check_values
 from .data import Position, batches, build_data, build_loader
 from .devices import audit_placement, describe, resolve_device, set_cpu_threads
+from .divergence import Divergence, nonfinite_weights
 from .errors import RunError
 from .model import build_model
 from .optimizers import build_optimizer, build_scheduler, restore_optimization
@@ -31,7 +34,7 @@ from .precision import describe as describe_amp
 from .preemption import Preemption
 from .seeding import capture_rng, restore_rng, seed_everything
 from .sweeps import Job, current_job
-from .tracking import Tracker
+from .tracking import Tracker, check_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,22 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     device = resolve_device(cfg.device)
     set_cpu_threads(cfg.device)
     log.info(f"device: {describe(device)}; amp: {describe_amp(cfg.amp)}")
+    if cfg.mlflow.enabled:
+        check_tracking_uri(cfg.mlflow)
 
+    # Then the checkpoint home, held until the run ends: a second run on the same experiment, or
+    # a folder that cannot take checkpoints, stops here, not at a save hours later.
+    home = Path(cfg.checkpoint.dir) / job.key if job else Path(cfg.checkpoint.dir)  # each sweep job has its own
+    with checkpoints.claim(home):
+        if cfg.resume is None and checkpoints.has_checkpoints(home):
+            raise RunError(
+                f"{home} already holds checkpoints of experiment {cfg.experiment!r}; continue them with "
+                f"resume=last, or start a separate run with experiment=<new name> (or checkpoint.dir=<path>)"
+            )
+        return train_in(home, cfg, device, job)
+
+
+def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> dict:
     # 2. The whole model, with any structural change (a new head, frozen layers) made inside
     #    build_model: the move below carries only the submodules that exist at that moment.
     data = build_data(cfg.data)
@@ -100,9 +118,8 @@ def train(cfg: Config, job: Job | None = None) -> dict:
 
     # 4. Optimizer, scheduler and scaler, built on parameters that are already placed.
     optimizer = build_optimizer(cfg.optimizer, model)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer)
     scaler = build_scaler(cfg.amp, device)
-    home = Path(cfg.checkpoint.dir) / job.key if job else Path(cfg.checkpoint.dir)  # each sweep job has its own
     parent_run_id, run_name = (job.parent_run_id, job.key) if job else (None, None)
     tracker = Tracker(cfg.mlflow, home, parent_run_id, run_name)
     run = Run(cfg, device, home, model, criterion, optimizer, scheduler, scaler, tracker)
@@ -111,11 +128,6 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
     found = checkpoints.find(cfg.resume, home)
-    if found is None and checkpoints.has_checkpoints(home):
-        raise RunError(
-            f"{home} already holds checkpoints of experiment {cfg.experiment!r}; continue them with "
-            f"resume=last, or start a separate run with experiment=<new name> (or checkpoint.dir=<path>)"
-        )
     position, step = Position(), 0
     probe = Probe.of(data.val, torch.arange(min(cfg.checkpoint.continuity.probe_size, len(data.val))))
     if found is not None:
@@ -152,9 +164,12 @@ def train(cfg: Config, job: Job | None = None) -> dict:
         try:
             continuity = check_continuity(run, saved, probe, step) if found is not None else "fresh"
 
-            # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end.
+            # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end. A save that fails
+            #    (a full disk) costs a warning and is tried again at the next save point; a loss
+            #    that is not finite stops the run before it can save (divergence.py).
             stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
-            last_saved = step if found is not None else None
+            saves = Saver(run, probe, step if found is not None else None)
+            divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
             first_step, started, samples = step, time.perf_counter(), 0
             window_start, window_steps, window_samples = started, 0, 0
             with tqdm(total=trainer.max_steps, initial=step, disable=None, desc="train") as bar:
@@ -162,12 +177,14 @@ def train(cfg: Config, job: Job | None = None) -> dict:
                     micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
                     loss = train_step(run, micro_batches)
                     step += 1
+                    divergence.watch(step, loss)
                     batch_samples = sum(len(targets) for _, targets in micro_batches)
                     samples += batch_samples
                     window_steps += 1
                     window_samples += batch_samples
                     bar.update()
                     if step % trainer.log_every_n_steps == 0:
+                        saves.stop_if_diverged(divergence)
                         seconds = time.perf_counter() - window_start
                         metrics = {
                             "train/loss": loss.item(),
@@ -183,14 +200,15 @@ def train(cfg: Config, job: Job | None = None) -> dict:
                     if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
                         run.tracker.log_metrics(evaluate(run, data.val), step)
                     if step % cfg.checkpoint.every_n_steps == 0:
-                        last_saved = save(run, position, step, probe)
+                        saves.stop_if_diverged(divergence)
+                        saves.try_save(position, step)
             seconds = time.perf_counter() - started
             trained = step > first_step
             throughput = {"train/steps_per_s": (step - first_step) / seconds, "train/samples_per_s": samples / seconds}
+            saves.stop_if_diverged(divergence)
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
-            if last_saved != step:
-                save(run, position, step, probe)
+            saves.final(position, step)
             stopped = (
                 preemption.received if step < trainer.max_steps else None
             )  # a signal after the last step stops nothing
@@ -219,6 +237,12 @@ def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tenso
             loss = run.criterion(run.model(to_device(inputs, run)), to_device(targets, run)) / len(micro_batches)
         run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
         total += loss.detach()
+    # Asked for by on_nonfinite=skip_step, at the price of one host sync a step: no update from
+    # a non-finite loss. The schedule still advances, so the lr stays a function of the step.
+    if run.cfg.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
+        return total
     if run.cfg.trainer.grad_clip is not None:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
         nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.trainer.grad_clip)
@@ -260,9 +284,67 @@ def probe_loss(run: Run, probe: Probe) -> float:
     return run.criterion(logits.float(), probe.targets.to(run.device)).item()
 
 
-def save(run: Run, position: Position, step: int, probe: Probe) -> int:
+class Saver:
+    """The loop's checkpoints: which is the newest on disk, saves that fail without ending the run
+    (until the last one), and the stops that leave the good checkpoints untouched."""
+
+    def __init__(self, run: Run, probe: Probe, newest: int | None) -> None:
+        self.run, self.probe = run, probe
+        self.newest = newest  # the step of this run's newest checkpoint on disk
+        self.failed: SaveError | None = None
+
+    def try_save(self, position: Position, step: int) -> None:
+        """Saves; a save that fails warns once and leaves training going, to try again next time."""
+        try:
+            self._save(position, step)
+        except SaveError as error:
+            if self.failed is None:
+                log.warning(f"{error}; training goes on and tries again at the next save; {self.on_disk()}")
+            self.failed = error
+            return
+        if self.failed is not None:
+            log.warning(f"saving works again: step {step} is saved")
+            self.failed = None
+
+    def final(self, position: Position, step: int) -> None:
+        """The save at the end (or at a signal), which must succeed or the run fails."""
+        if self.newest == step:
+            return
+        try:
+            self._save(position, step)
+        except SaveError as error:
+            raise RunError(
+                f"{error}, so step {step} is not saved; {self.on_disk()}; free space or fix the folder, "
+                f"then continue with resume=last"
+            ) from None
+
+    def stop_if_diverged(self, divergence: Divergence) -> None:
+        if (reason := divergence.check()) is not None:
+            raise RunError(
+                f"{reason}: the run stops unsaved; {self.on_disk()}; continue from it with resume=last and "
+                f"a lower optimizer.lr, or choose trainer.on_nonfinite=skip_step"
+            )
+
+    def on_disk(self) -> str:
+        if self.newest is None:
+            return "no checkpoint of this run is on disk"
+        return f"the newest checkpoint on disk is {checkpoints.path_of(self.run.home, self.newest)}"
+
+    def _save(self, position: Position, step: int) -> None:
+        # NaN weights stay NaN whatever follows: saved, they would displace the good checkpoints.
+        if broken := nonfinite_weights(self.run.model):
+            raise RunError(
+                f"the model's weights are not finite at step {step} ({', '.join(broken[:3])}"
+                f"{', ...' if len(broken) > 3 else ''}): nothing is saved; {self.on_disk()}; continue from it "
+                f"with resume=last and a lower optimizer.lr"
+            )
+        save(self.run, position, step, self.probe)
+        self.newest = step
+
+
+def save(run: Run, position: Position, step: int, probe: Probe) -> None:
     """Writes a checkpoint of everything needed to continue exactly, and logs the probe loss as
-    `checkpoint/loss`; returns the step saved."""
+    `checkpoint/loss`."""
     loss = probe_loss(run, probe)
     state = {
         "format_version": checkpoints.FORMAT_VERSION,
@@ -284,7 +366,6 @@ def save(run: Run, position: Position, step: int, probe: Probe) -> int:
     checkpoints.save(state, run.home, step, run.cfg.checkpoint.keep_last)
     run.tracker.log_metrics({"checkpoint/loss": loss}, step)
     run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
-    return step
 
 
 def restore(run: Run, saved: dict) -> None:
@@ -297,9 +378,10 @@ def restore(run: Run, saved: dict) -> None:
             f"or start a new run with experiment=<new name>"
         )
     check_model_fits(run.model, saved["model"])
-    report_changes(saved["config"], OmegaConf.to_container(run.cfg, resolve=True))
+    report_changes(saved, run)
     run.model.load_state_dict(saved["model"])
     restore_optimization(run.optimizer, run.scheduler, saved)
+    report_lr_move(saved, run)
     if run.scaler.is_enabled() and saved["scaler"]:
         run.scaler.load_state_dict(saved["scaler"])
     elif run.scaler.is_enabled():
@@ -328,9 +410,11 @@ def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
         )
 
 
-def report_changes(saved: dict, current: dict) -> None:
-    """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said."""
-    before, after = flatten(saved), flatten(current)
+def report_changes(saved: dict, run: Run) -> None:
+    """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said.
+    The device is compared as resolved: device=auto that finds the same cpu changes nothing."""
+    before = {**flatten(saved["config"]), "device.type": saved["device"]["type"]}
+    after = {**flat_params(run.cfg), "device.type": run.device.type}
     changed = {
         key: f"{before.get(key)} -> {value}"
         for key, value in after.items()
@@ -340,6 +424,22 @@ def report_changes(saved: dict, current: dict) -> None:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
 
 
+def report_lr_move(saved: dict, run: Run) -> None:
+    """A resume that moves the learning rate says so, with the way to keep the old schedule: a
+    longer trainer.max_steps stretches the default schedule, and the lr jumps up mid-decay."""
+    before, now = saved["optimizer"]["param_groups"][0]["lr"], run.optimizer.param_groups[0]["lr"]
+    if now == before:
+        return
+    horizon = saved["config"]["scheduler"].get("total_steps", saved["config"]["trainer"]["max_steps"])
+    keep = (
+        f" (scheduler.total_steps {horizon} -> {run.cfg.scheduler.total_steps}; to keep the schedule the "
+        f"run was trained on, resume with scheduler.total_steps={horizon})"
+        if horizon != run.cfg.scheduler.total_steps
+        else ""
+    )
+    log.info(f"the learning rate at step {saved['step']} moves from {before:.4g} to {now:.4g} on resume{keep}")
+
+
 def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
     """Compares the probe loss now with the one stored at save: exactly, on the same device type
     and AMP setting; within `checkpoint.continuity.rtol` when either changed."""
@@ -347,12 +447,16 @@ def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
     before, now = saved["probe"]["loss"], probe_loss(run, probe)
     same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == amp_setting(run.cfg)
     ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
-    verdict = "ok" if ok else "mismatch"
+    # NaN equals nothing, itself included: a NaN probe proves neither continuity nor a break.
+    verdict = "nonfinite" if not (math.isfinite(before) and math.isfinite(now)) else "ok" if ok else "mismatch"
     run.tracker.log_metrics({"resume/loss": now, "resume/loss_delta": abs(now - before)}, step)
     run.tracker.set_tags({"continuity": verdict})
     line = f"resumed at step {step} on {run.device}: loss at save {before:.4f}, loss now {now:.4f} ({verdict})"
     if ok:
         log.info(line)
+        return verdict
+    if verdict == "nonfinite":
+        log.warning(f"{line}: a loss that is not a number cannot show whether the restore is faithful")
         return verdict
     tolerance = "exact match expected on the same device and dtype" if same_setup else f"rtol {settings.rtol}"
     if settings.on_mismatch == "error":
