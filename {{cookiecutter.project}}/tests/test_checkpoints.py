@@ -67,6 +67,7 @@ def test_only_the_newest_keep_last_checkpoints_remain(tmp_path):
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     save_steps(tmp_path, 10)
+
     def dies_halfway(obj, file):
         file.write(b"PK\x03\x04" + bytes(96))  # part of the bytes reached the disk, then the process died
         raise KeyboardInterrupt
@@ -205,16 +206,24 @@ def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (lambda s: {"format_version": checkpoints.FORMAT_VERSION, "step": 5}, "data_position is missing; model is missing"),
+        (
+            lambda s: {"format_version": checkpoints.FORMAT_VERSION, "step": 5},
+            "data_position is missing; model is missing",
+        ),
         (lambda s: {key: value for key, value in s.items() if key != "rng"}, "rng is missing"),
         (lambda s: {**s, "step": "5"}, "step is a str"),
         (lambda s: {**s, "step": -1}, "step=-1 is not a count"),
-        (lambda s: {**s, "data_position": {**s["data_position"], "extra": 1}}, "data_position holds batch, epoch, extra, not batch, epoch"),
+        (
+            lambda s: {**s, "data_position": {**s["data_position"], "extra": 1}},
+            "data_position holds batch, epoch, extra, not batch, epoch",
+        ),
         (lambda s: {**s, "probe": {"indices": s["probe"]["indices"]}}, "probe holds indices, not indices, loss"),
     ],
     ids=["only-a-step", "no-rng", "text-step", "negative-step", "extra-position-key", "probe-without-loss"],
 )
-def test_an_incomplete_checkpoint_is_named_in_one_line_and_resume_last_falls_back_past_it(tmp_path, caplog, change, problem):
+def test_an_incomplete_checkpoint_is_named_in_one_line_and_resume_last_falls_back_past_it(
+    tmp_path, caplog, change, problem
+):
     save_steps(tmp_path, 10)
     torch.save(change(state(20)), tmp_path / "step_00000020.pt")
     with pytest.raises(CheckpointError) as raised:
@@ -231,7 +240,9 @@ def test_a_second_claim_on_a_home_is_refused_naming_the_holder_until_the_first_e
     with checkpoints.claim(tmp_path):
         with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path):
             pass
-        assert str(raised.value).startswith(f"{tmp_path} is in use by PID {os.getpid()} on {socket.gethostname()}, started ")
+        assert str(raised.value).startswith(
+            f"{tmp_path} is in use by PID {os.getpid()} on {socket.gethostname()}, started "
+        )
         assert "experiment=<another name>" in str(raised.value)
     with checkpoints.claim(tmp_path):  # released with the first
         pass

@@ -5,6 +5,7 @@ import fcntl
 import os
 import pty
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -149,3 +150,98 @@ def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run
     assert max(logged) == 600
     mismatched = {step: values for step, values in logged.items() if any(value != expected[step] for value in values)}
     assert mismatched == {}
+
+
+def test_a_diverging_run_exits_non_zero_and_keeps_the_good_checkpoints(project):
+    home = project / "checkpoints" / "demo"
+    first = run_cli(project, "trainer.max_steps=150", "checkpoint.every_n_steps=50", "mlflow.enabled=false")
+    assert first.returncode == 0, first.stderr
+    good = {path.name: path.read_bytes() for path in home.glob("step_*.pt")}
+    diverged = run_cli(
+        project, "resume=last", "optimizer.lr=1e6", "trainer.max_steps=400", "checkpoint.every_n_steps=50",
+        "mlflow.enabled=false",
+    )  # fmt: skip
+    assert diverged.returncode == 2
+    (line,) = diverged.stderr.strip().splitlines()
+    assert line.startswith("error: the loss is nan at step 15")
+    assert f"the newest checkpoint on disk is {home / 'step_00000150.pt'}" in line
+    assert {path.name: path.read_bytes() for path in home.glob("step_*.pt")} == good
+
+
+def test_a_second_run_on_the_same_experiment_stops_at_once_and_the_first_keeps_its_checkpoints(project):
+    home = project / "checkpoints" / "race"
+    settings = ["experiment=race", "trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false"]
+    first = start(project, *settings, "seed=1")
+    wait_for_a_save(home, first)
+    for resume in ([], ["resume=auto"]):
+        second = run_cli(project, *settings, "seed=2", *resume)
+        assert second.returncode == 2
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(f"error: {home} is in use by PID {first.pid} on ")
+        assert line.endswith(
+            "wait for that run to end (or stop it), or train separately with experiment=<another name>"
+        )
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM
+    assert {checkpoints.load(path)["config"]["seed"] for path in home.glob("step_*.pt")} == {1}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+optimzer=sgd", "error: optimzer is not a setting (did you mean optimizer?)"),
+        ("experiment=../../../../tmp/escaped", "error: experiment='../../../../tmp/escaped' must be a plain name"),
+        ("checkpoint.dir=run.py", "error: cannot write checkpoints to run.py (it is a file, not a folder)"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_training(project, override, message):
+    result = run_cli(project, override)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(message)
+    assert not (project / "checkpoints").exists() and not (project / "mlflow.db").exists()
+
+
+def user_namespaces_work() -> bool:
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "true"]
+    return shutil.which("unshare") is not None and subprocess.run(probe, capture_output=True).returncode == 0
+
+
+FILL_THE_DISK_MID_RUN = """
+set -u
+mount -t tmpfs -o size=8m tmpfs "$DISK"
+"$PYTHON" run.py checkpoint.dir="$DISK/demo" trainer.max_steps=100000 checkpoint.every_n_steps=20 \\
+    mlflow.enabled=false &
+trainer=$!
+while [ ! -e "$DISK/demo/step_00000020.pt" ]; do sleep 0.02; done
+dd if=/dev/zero of="$DISK/filler" bs=64k 2>/dev/null
+sleep 3
+kill -TERM $trainer
+wait $trainer
+echo "exit $?"
+ls "$DISK/demo"
+"""
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs unprivileged user and mount namespaces for a small disk")
+def test_a_disk_that_fills_up_mid_run_keeps_training_then_fails_naming_the_newest_checkpoint(project, tmp_path):
+    """A real tmpfs, filled up by another writer after the first save: ENOSPC from the kernel."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    env = {**os.environ, "DISK": str(disk), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", FILL_THE_DISK_MID_RUN],
+        cwd=project, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert "exit 2" in result.stdout, result.stderr
+    on_disk = result.stdout.split("exit 2", 1)[1].split()
+    output = (result.stdout + result.stderr).splitlines()  # Hydra logs to stdout, errors go to stderr
+    failures = [line for line in output if "No space left on device" in line]
+    assert len(failures) == 2, output  # one warning for the outage, one error at the end
+    assert failures[0].startswith(f"could not write {disk / 'demo'}/step_")
+    assert "training goes on and tries again at the next save" in failures[0]
+    newest = max(name for name in on_disk if name.startswith("step_"))
+    assert failures[1].startswith(f"error: could not write {disk / 'demo'}/step_")
+    assert f"the newest checkpoint on disk is {disk / 'demo' / newest}; free space" in failures[1]
+    assert not [name for name in on_disk if name.endswith(".tmp")]

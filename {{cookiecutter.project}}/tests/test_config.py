@@ -72,7 +72,10 @@ def test_bad_values_and_misspelt_keys_fail_at_composition(make_cfg, override, me
     [
         ("checkpoint.keep_last=0", "checkpoint.keep_last=0 must be at least 1"),
         ("trainer.max_steps=-1", "trainer.max_steps=-1 must not be negative"),
-        ("checkpoint.continuity.on_mismatch=ignore", "checkpoint.continuity.on_mismatch=ignore must be one of warn, error"),
+        (
+            "checkpoint.continuity.on_mismatch=ignore",
+            "checkpoint.continuity.on_mismatch=ignore must be one of warn, error",
+        ),
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite=ignore must be one of stop, skip_step, warn"),
         ("optimizer.lr=-1", "optimizer.lr=-1.0 must not be negative"),
         ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1.0 must not be negative"),

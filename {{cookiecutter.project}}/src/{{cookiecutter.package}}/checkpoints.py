@@ -23,7 +23,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 import torch
 
@@ -60,23 +60,24 @@ def claim(home: Path) -> Iterator[None]:
     The lock is `flock` on `run.lock`: the OS drops it when the process ends, however it ends, so
     kill -9 never leaves a stale lock. The file names the holder for whoever finds it locked.
     """
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        lock = open(home / LOCK, "a+")  # not "w": the holder's name stays readable until we hold it
-    except OSError as error:
-        raise RunError(_unusable(home, error)) from None
-    try:
+    with _open_lock(home) as lock:  # closing it releases the lock
         _lock(lock, home)
         for leftover in home.iterdir():  # from a run that died mid-save; none can be writing now
             if TEMPORARY.fullmatch(leftover.name):
                 leftover.unlink(missing_ok=True)
         _check_writable(home)
         yield
-    finally:
-        lock.close()  # releases the lock
 
 
-def _lock(lock, home: Path) -> None:
+def _open_lock(home: Path) -> TextIO:
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return open(home / LOCK, "a+")  # not "w": the holder's name stays readable until we hold it
+    except OSError as error:
+        raise RunError(_unusable(home, error)) from None
+
+
+def _lock(lock: TextIO, home: Path) -> None:
     if fcntl is None:
         log.warning(f"this platform has no flock: a second run on {home} would not be stopped")
         return
@@ -209,7 +210,9 @@ def _structure_problems(state: dict) -> list[str]:
         if not parts <= state[key].keys() or (key == "data_position" and state[key].keys() != parts)
     ]
     counters = {"step": state["step"], **{f"data_position.{k}": v for k, v in state["data_position"].items()}}
-    problems += [f"{key}={value!r} is not a count" for key, value in counters.items() if type(value) is not int or value < 0]
+    problems += [
+        f"{key}={value!r} is not a count" for key, value in counters.items() if type(value) is not int or value < 0
+    ]
     return problems
 
 

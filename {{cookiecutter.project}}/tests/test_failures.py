@@ -1,0 +1,218 @@
+"""What can go wrong, and what happens: a loss that stops being a number, a disk that fills up,
+a second run on the same experiment, a folder that cannot take checkpoints, a schedule stretched
+by a resume. In each case nothing already saved is lost, and the run says so in one line."""
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import losses
+
+from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.errors import RunError
+
+QUIET = "mlflow.enabled=false"
+EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5", "checkpoint.keep_last=3"]
+
+
+def saved_files(home: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(home.glob("step_*.pt"))}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Makes the inputs of the given training steps NaN, as a bad batch or an overflow would."""
+
+    def arm(*steps: int) -> None:
+        real_step, count = recipe.train_step, [0]
+
+        def step_with_poison(run, micro_batches):
+            count[0] += 1
+            if count[0] in steps:
+                micro_batches = [[torch.full_like(inputs, math.nan), targets] for inputs, targets in micro_batches]
+            return real_step(run, micro_batches)
+
+        monkeypatch.setattr(recipe, "train_step", step_with_poison)
+
+    return arm
+
+
+def test_a_diverging_run_stops_before_saving_and_keeps_every_good_checkpoint(make_cfg, client, checkpoint_dir):
+    first = recipe.train(make_cfg(*EVERY_5))
+    good = saved_files(checkpoint_dir)
+    assert list(good) == ["step_00000005.pt", "step_00000010.pt", "step_00000015.pt"]
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(*EVERY_5, "trainer.max_steps=40", "optimizer.lr=1e6", "resume=last"))
+    message = str(raised.value)
+    assert message.startswith("the loss is nan at step 1") and "\n" not in message
+    assert f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000015.pt'}" in message
+    assert saved_files(checkpoint_dir) == good, "no NaN checkpoint written, none of the good ones pruned"
+    assert client.get_run(first["run_id"]).info.status == "FAILED"
+
+
+def test_skip_step_drops_the_update_of_a_non_finite_step_and_the_run_goes_on(make_cfg, checkpoint_dir, poison):
+    poison(7)
+    summary = recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=skip_step", "scheduler=constant"))
+    assert summary["step"] == 15 and math.isfinite(summary["train/loss"])
+    weights = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+
+
+def test_skip_step_leaves_the_weights_of_a_skipped_step_untouched(make_cfg, checkpoint_dir, poison):
+    poison(6)  # the step after the save at 5
+    settings = [QUIET, "trainer.max_steps=6", "checkpoint.every_n_steps=5", "trainer.on_nonfinite=skip_step"]
+    recipe.train(make_cfg(*settings))
+    at_5 = checkpoints.load(checkpoint_dir / "step_00000005.pt")["model"]
+    at_6 = checkpoints.load(checkpoint_dir / "step_00000006.pt")["model"]
+    assert all(torch.equal(at_5[key], at_6[key]) for key in at_5)
+
+
+def test_non_finite_steps_in_a_row_beyond_the_patience_stop_a_skipping_run(make_cfg, checkpoint_dir, poison):
+    poison(7, 8, 9)
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=skip_step", "trainer.nonfinite_patience=2"))
+    assert str(raised.value).startswith(
+        "the loss was not finite for 3 steps in a row (steps 7 to 9), more than trainer.nonfinite_patience=2"
+    )
+    assert f"newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}" in str(raised.value)
+
+
+def test_under_fp16_the_grad_scaler_absorbs_a_non_finite_step_and_the_default_policy_goes_on(
+    make_cfg, checkpoint_dir, poison
+):
+    poison(7)
+    summary = recipe.train(make_cfg(QUIET, *EVERY_5, "amp=fp16"))
+    assert summary["step"] == 15
+    assert checkpoints.newest_valid(checkpoint_dir)[1]["scaler"]["scale"] < 2.0**16, "the scaler backed off"
+
+
+def test_without_a_scaler_the_default_policy_stops_at_the_first_non_finite_loss(make_cfg, checkpoint_dir, poison):
+    poison(7)
+    with pytest.raises(RunError, match="^the loss is nan at step 7: the run stops unsaved"):
+        recipe.train(make_cfg(QUIET, *EVERY_5))
+    assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
+
+
+def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg, checkpoint_dir, poison, caplog):
+    poison(7)  # without a scaler or skip_step, the NaN reaches the weights
+    with caplog.at_level(logging.WARNING), pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=warn"))
+    assert "the loss is not finite at 1 step(s) from step 7 (nan); trainer.on_nonfinite=warn" in caplog.text
+    assert str(raised.value).startswith("the model's weights are not finite at step 10 (")
+    assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
+
+
+def test_a_non_finite_probe_loss_is_not_reported_as_a_continuity_mismatch(make_cfg, client, checkpoint_dir, caplog):
+    recipe.train(make_cfg("trainer.max_steps=10"))
+    _, saved = checkpoints.newest_valid(checkpoint_dir)
+    saved["probe"]["loss"] = math.nan
+    checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
+    with caplog.at_level(logging.WARNING):
+        resumed = recipe.train(
+            make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error")
+        )
+    assert resumed["continuity"] == "nonfinite"
+    assert client.get_run(resumed["run_id"]).data.tags["continuity"] == "nonfinite"
+    assert "(nonfinite): a loss that is not a number cannot show whether the restore is faithful" in caplog.text
+
+
+def onto_a_full_disk(monkeypatch, failing_steps: set[int]) -> None:
+    """Saves of these steps hit a full disk: their temporary file is created, then every write
+    to it fails with the kernel's own ENOSPC (from /dev/full)."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+
+    def open_checkpoint(path, mode="r", *args, **kwargs):
+        step = checkpoints.NAME.match(Path(path).name)
+        if step and int(step[1]) in failing_steps and str(path).endswith(".tmp"):
+            open(path, mode).close()
+            return open("/dev/full", "wb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "open", open_checkpoint, raising=False)
+
+
+def test_a_disk_that_fills_up_mid_run_costs_a_warning_and_saving_resumes_when_it_has_room(
+    make_cfg, checkpoint_dir, monkeypatch, caplog
+):
+    onto_a_full_disk(monkeypatch, {10, 15})
+    with caplog.at_level(logging.WARNING):
+        summary = recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.max_steps=20"))
+    assert summary["step"] == 20
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warnings == [
+        f"could not write {checkpoint_dir / 'step_00000010.pt'} (No space left on device); training goes on and "
+        f"tries again at the next save; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}",
+        "saving works again: step 20 is saved",
+    ], "one warning for the outage, however many saves it costs"
+    assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt", "step_00000020.pt"]
+    assert not list(checkpoint_dir.glob("*.tmp"))
+
+
+def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoint_on_disk(
+    make_cfg, client, checkpoint_dir, monkeypatch
+):
+    onto_a_full_disk(monkeypatch, {10, 15})
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(*EVERY_5))
+    assert str(raised.value) == (
+        f"could not write {checkpoint_dir / 'step_00000015.pt'} (No space left on device), so step 15 is not "
+        f"saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}; free space or fix the "
+        f"folder, then continue with resume=last"
+    )
+    run_id = checkpoints.newest_valid(checkpoint_dir)[1]["mlflow_run_id"]
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_a_run_on_a_home_that_another_run_holds_stops_before_building_anything(make_cfg, checkpoint_dir, monkeypatch):
+    built = []
+    monkeypatch.setattr(recipe, "build_data", lambda *args: built.append(args))
+    with checkpoints.claim(checkpoint_dir), pytest.raises(RunError, match=f"^{checkpoint_dir} is in use by PID "):
+        recipe.train(make_cfg(QUIET))
+    assert built == [] and not list(checkpoint_dir.glob("step_*"))
+
+
+def test_a_run_leaves_files_it_did_not_write_in_its_checkpoint_folder(make_cfg, checkpoint_dir):
+    checkpoint_dir.mkdir(parents=True)
+    (checkpoint_dir / "thesis.tmp").write_text("three years of work")
+    recipe.train(make_cfg(QUIET, *EVERY_5, "checkpoint.keep_last=1", "resume=auto"))
+    assert (checkpoint_dir / "thesis.tmp").read_text() == "three years of work"
+
+
+def test_extending_a_run_reports_the_lr_jump_and_keeping_the_horizon_avoids_it(
+    make_cfg, client, checkpoint_dir, caplog
+):
+    first = recipe.train(make_cfg("trainer.max_steps=30", "checkpoint.every_n_steps=30"))
+    at_30 = losses(client, first["run_id"], "train/lr")[30][0]
+    assert checkpoints.newest_valid(checkpoint_dir)[1]["config"]["scheduler"]["total_steps"] == 30
+    with caplog.at_level(logging.INFO):
+        recipe.train(make_cfg("trainer.max_steps=40", "checkpoint.every_n_steps=30", "resume=last"))
+    assert losses(client, first["run_id"], "train/lr")[31][0] > 5 * at_30, "the stretched cosine jumps back up"
+    line = next(
+        record.getMessage() for record in caplog.records if "the learning rate at step 30" in record.getMessage()
+    )
+    stretched = 3e-3 * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (30 - 20) / (40 - 20))))
+    assert line == (
+        f"the learning rate at step 30 moves from {at_30:.4g} to {stretched:.4g} on resume (scheduler.total_steps "
+        f"30 -> 40; to keep the schedule the run was trained on, resume with scheduler.total_steps=30)"
+    )
+
+    kept = recipe.train(
+        make_cfg(
+            QUIET, "trainer.max_steps=35", "scheduler.total_steps=30", f"resume={checkpoint_dir / 'step_00000030.pt'}"
+        )
+    )
+    assert kept["step"] == 35
+    optimizer = checkpoints.newest_valid(checkpoint_dir)[1]["optimizer"]
+    assert optimizer["param_groups"][0]["lr"] == pytest.approx(at_30), "past its horizon the lr stays at the floor"
+
+
+def test_device_auto_that_resolves_to_the_same_device_is_no_changed_setting(make_cfg, caplog):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=10"))
+    with caplog.at_level(logging.INFO):
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "device=auto", "resume=last"))
+    changed = next(record.getMessage() for record in caplog.records if "changed settings" in record.getMessage())
+    assert "device" not in changed and "trainer.max_steps 10 -> 20" in changed
