@@ -195,3 +195,8 @@ def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_conti
 def test_a_batch_larger_than_the_training_set_is_refused_instead_of_spinning(make_cfg):
     with pytest.raises(RunError, match="data.batch_size=5000 is larger than the 1438 training samples"):
         recipe.train(make_cfg(QUIET, "data.batch_size=5000"))
+
+
+def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_training(make_cfg):
+    with pytest.raises(RunError, match="data.val_fraction=0.0001 leaves 0 of 1797 samples for validation"):
+        recipe.train(make_cfg(QUIET, "data.val_fraction=0.0001"))

@@ -43,6 +43,11 @@ def build_data(cfg: DataConfig) -> Data:
     targets = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(SPLIT_SEED))
     num_val = int(len(inputs) * cfg.val_fraction)
+    if not 0 < num_val < len(inputs):
+        raise RunError(
+            f"data.val_fraction={cfg.val_fraction} leaves {num_val} of {len(inputs)} samples for validation; "
+            f"both training and validation need some: try data.val_fraction=0.2"
+        )
     val, train = order[:num_val], order[num_val:]
     return Data(
         train=TensorDataset(inputs[train], targets[train]),
