@@ -84,3 +84,24 @@ def run_cli(project: Path, *overrides: str, timeout: float = 180) -> subprocess.
     process = start(project, *overrides)
     stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+HOLDER = """
+import os, pathlib, sys, time
+from {{cookiecutter.package}}.checkpoints import claim
+with claim(pathlib.Path(sys.argv[1])):
+    if sys.argv[2] == "fork" and os.fork() == 0:  # a child, as a data-loader worker would be
+        time.sleep(10)
+        os._exit(0)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def hold(home: Path, fork: bool = False) -> subprocess.Popen:
+    """Another process that claims `home` (and, with `fork`, forks a child that lives on)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(home), "fork" if fork else "-"], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder

@@ -79,6 +79,8 @@ def test_bad_values_and_misspelt_keys_fail_at_composition(make_cfg, override, me
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite=ignore must be one of stop, skip_step, warn"),
         ("optimizer.lr=-1", "optimizer.lr=-1.0 must not be negative"),
         ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1.0 must not be negative"),
+        ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number"),
+        ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number"),
         ("model.dropout=1.5", "model.dropout=1.5 must be at least 0 and below 1"),
         ("data.num_workers=-1", "data.num_workers=-1 must not be negative"),
         ("device.cpu_threads=-3", "device.cpu_threads=-3 must not be negative"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses
+from conftest import hold, losses
 
 from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
@@ -53,9 +53,13 @@ def test_a_diverging_run_stops_before_saving_and_keeps_every_good_checkpoint(mak
     assert client.get_run(first["run_id"]).info.status == "FAILED"
 
 
-def test_skip_step_drops_the_update_of_a_non_finite_step_and_the_run_goes_on(make_cfg, checkpoint_dir, poison):
+def test_skip_step_drops_the_update_of_a_non_finite_step_and_the_run_goes_on(make_cfg, checkpoint_dir, poison, caplog):
     poison(7)
-    summary = recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=skip_step", "scheduler=constant"))
+    with caplog.at_level(logging.WARNING):
+        summary = recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=skip_step", "scheduler=constant"))
+    assert "the loss is nan at step 7; trainer.on_nonfinite=skip_step dropped its update, and training goes on" in (
+        caplog.text
+    )
     assert summary["step"] == 15 and math.isfinite(summary["train/loss"])
     weights = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
@@ -80,6 +84,19 @@ def test_non_finite_steps_in_a_row_beyond_the_patience_stop_a_skipping_run(make_
     assert f"newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}" in str(raised.value)
 
 
+@pytest.mark.parametrize("dropped_by", ["amp=fp16", "trainer.on_nonfinite=skip_step"])
+def test_a_diverging_run_whose_steps_are_dropped_still_never_saves_a_broken_model(make_cfg, checkpoint_dir, dropped_by):
+    """The updates before the loss turns NaN already broke the weights; dropping the NaN steps
+    that follow cannot mend them, so the probe loss at the next save stops the run."""
+    recipe.train(make_cfg(QUIET, *EVERY_5, dropped_by))
+    good = saved_files(checkpoint_dir)
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, *EVERY_5, dropped_by, "trainer.max_steps=80", "optimizer.lr=1e6", "resume=last"))
+    assert str(raised.value).startswith("the model is no longer finite at step ")
+    assert f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000015.pt'}" in str(raised.value)
+    assert saved_files(checkpoint_dir) == good
+
+
 def test_under_fp16_the_grad_scaler_absorbs_a_non_finite_step_and_the_default_policy_goes_on(
     make_cfg, checkpoint_dir, poison
 ):
@@ -100,8 +117,11 @@ def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg
     poison(7)  # without a scaler or skip_step, the NaN reaches the weights
     with caplog.at_level(logging.WARNING), pytest.raises(RunError) as raised:
         recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=warn"))
-    assert "the loss is not finite at 1 step(s) from step 7 (nan); trainer.on_nonfinite=warn" in caplog.text
-    assert str(raised.value).startswith("the model's weights are not finite at step 10 (")
+    assert "the loss is nan at step 7; trainer.on_nonfinite=warn, and training goes on" in caplog.text
+    assert str(raised.value).startswith("the model is no longer finite at step 10 (body.0.weight, ")
+    assert f"nothing is saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}" in str(
+        raised.value
+    )
     assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
 
 
@@ -170,8 +190,13 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
 def test_a_run_on_a_home_that_another_run_holds_stops_before_building_anything(make_cfg, checkpoint_dir, monkeypatch):
     built = []
     monkeypatch.setattr(recipe, "build_data", lambda *args: built.append(args))
-    with checkpoints.claim(checkpoint_dir), pytest.raises(RunError, match=f"^{checkpoint_dir} is in use by PID "):
-        recipe.train(make_cfg(QUIET))
+    holder = hold(checkpoint_dir)
+    try:
+        with pytest.raises(RunError, match=f"^{checkpoint_dir} is in use by PID {holder.pid} on "):
+            recipe.train(make_cfg(QUIET))
+    finally:
+        holder.kill()
+        holder.wait()
     assert built == [] and not list(checkpoint_dir.glob("step_*"))
 
 
@@ -216,3 +241,11 @@ def test_device_auto_that_resolves_to_the_same_device_is_no_changed_setting(make
         recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "device=auto", "resume=last"))
     changed = next(record.getMessage() for record in caplog.records if "changed settings" in record.getMessage())
     assert "device" not in changed and "trainer.max_steps 10 -> 20" in changed
+
+
+def test_a_resume_with_a_smaller_validation_set_names_the_probe_that_no_longer_fits(make_cfg):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=10"))
+    with pytest.raises(
+        RunError, match="the checkpoint's continuity probe uses validation sample 255, but this data has 179"
+    ):
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "data.val_fraction=0.1", "resume=last"))

@@ -13,6 +13,7 @@ whose names it writes itself.
 """
 
 import contextlib
+import errno
 import logging
 import os
 import pickle
@@ -23,7 +24,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 import torch
 
@@ -31,7 +32,7 @@ from .errors import RunError
 
 try:
     import fcntl
-except ImportError:  # Windows
+except ImportError:  # Windows: no POSIX locks
     fcntl = None
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 POINTER = "latest"
 LOCK = "run.lock"
-NAME = re.compile(r"step_(\d+)\.pt")
+NAME = re.compile(r"step_(\d{8,})\.pt")  # as path_of writes them: a user's step_7.pt is not ours
 # Temporary files this module writes, and so the only ones it removes: `step_00000100.pt.<tag>.tmp`,
 # `latest.<tag>.tmp` and the write test's `write-test.<tag>.tmp`.
-TEMPORARY = re.compile(r"(step_\d+\.pt|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
+TEMPORARY = re.compile(r"(step_\d{8,}\.pt|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RunError):
@@ -57,42 +58,54 @@ class SaveError(RunError):
 def claim(home: Path) -> Iterator[None]:
     """Holds `home` for the life of the `with` block, after checking that it can be written.
 
-    The lock is `flock` on `run.lock`: the OS drops it when the process ends, however it ends, so
-    kill -9 never leaves a stale lock. The file names the holder for whoever finds it locked.
+    The lock is a POSIX record lock (`lockf`) on `run.lock`. The OS drops it when the process
+    ends, however it ends, so kill -9 never leaves a stale lock; and unlike `flock`, processes
+    forked by the run (data-loader workers, which outlive a killed parent by seconds) do not
+    inherit it. The file names the holder for whoever finds it locked.
     """
     with _open_lock(home) as lock:  # closing it releases the lock
-        _lock(lock, home)
+        if _lock(lock, home):
+            _write_down(lambda: _name_the_holder(lock), home)
+        _write_down(lambda: _check_writable(home), home)
         for leftover in home.iterdir():  # from a run that died mid-save; none can be writing now
             if TEMPORARY.fullmatch(leftover.name):
-                leftover.unlink(missing_ok=True)
-        _check_writable(home)
+                _remove(leftover)
         yield
 
 
-def _open_lock(home: Path) -> TextIO:
+def _open_lock(home: Path) -> BinaryIO:
     try:
         home.mkdir(parents=True, exist_ok=True)
-        return open(home / LOCK, "a+")  # not "w": the holder's name stays readable until we hold it
+        # Not "w": the holder's name stays readable until we hold the lock. Unbuffered: a write
+        # that fails (a full disk) fails at once, and closing has nothing left to fail on.
+        return open(home / LOCK, "a+b", buffering=0)
     except OSError as error:
         raise RunError(_unusable(home, error)) from None
 
 
-def _lock(lock: TextIO, home: Path) -> None:
+def _lock(lock: BinaryIO, home: Path) -> bool:
+    """Takes the lock, or raises naming its holder; False where locks are not to be had."""
     if fcntl is None:
-        log.warning(f"this platform has no flock: a second run on {home} would not be stopped")
-        return
+        log.warning(f"this platform has no POSIX locks: a second run on {home} would not be stopped")
+        return False
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            log.warning(f"cannot lock {home} ({error.strerror}): a second run on it would not be stopped")
+            return False
         lock.seek(0)
-        holder = lock.read().strip() or "another run (starting up)"
+        holder = lock.read().decode(errors="replace").strip() or "another run (starting up)"
         raise RunError(
             f"{home} is in use by {holder}; wait for that run to end (or stop it), "
             f"or train separately with experiment=<another name>"
         ) from None
+    return True
+
+
+def _name_the_holder(lock: BinaryIO) -> None:
     lock.truncate(0)  # in append mode, the write below then starts the file
-    lock.write(f"PID {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
+    lock.write(f"PID {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
 
 
 def _check_writable(home: Path) -> None:
@@ -104,11 +117,25 @@ def _check_writable(home: Path) -> None:
             file.write(bytes(4096))
             file.flush()
             os.fsync(file.fileno())
-        probe.unlink()
-    except OSError as error:
+    finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
+
+
+def _write_down(write: Callable[[], None], home: Path) -> None:
+    try:
+        write()
+    except OSError as error:
         raise RunError(_unusable(home, error)) from None
+
+
+def _remove(path: Path) -> None:
+    """Deletes a file this module wrote; one it may not delete (made immutable by its owner, say)
+    stays, with a warning, and the run goes on."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning(f"could not remove {path} ({error.strerror}); it stays")
 
 
 def _unusable(home: Path, error: OSError) -> str:
@@ -174,45 +201,63 @@ def load(path: Path) -> dict:
     return state
 
 
-# What train.save writes, checked at load: a checkpoint with a part missing or malformed is
-# named in one line (and skipped by resume=last) instead of failing mid-restore with a KeyError.
+# What train.save writes and the restore reads, by dotted path, checked at load: a checkpoint
+# with a part missing or malformed is named in one line (and skipped by resume=last) instead of
+# failing mid-restore with a KeyError.
 STRUCTURE = {
     "step": int,
     "data_position": dict,
+    "data_position.epoch": int,
+    "data_position.batch": int,
     "model": dict,
     "optimizer": dict,
+    "optimizer.state": dict,
+    "optimizer.param_groups": list,
     "optimizer_name": str,
     "scheduler": dict,
+    "scheduler.last_epoch": int,
     "scaler": dict,
     "rng": dict,
+    "rng.python": tuple,
+    "rng.numpy": dict,
+    "rng.torch": torch.Tensor,
     "probe": dict,
+    "probe.indices": torch.Tensor,
+    "probe.loss": float,
     "mlflow_run_id": (str, type(None)),
     "config": dict,
+    "config.scheduler": dict,
+    "config.trainer": dict,
     "device": dict,
+    "device.type": str,
     "amp": dict,
     "versions": dict,
 }
-PARTS = {"data_position": {"epoch", "batch"}, "rng": {"python", "numpy", "torch"}, "probe": {"indices", "loss"}}
+COUNTERS = ("step", "data_position.epoch", "data_position.batch")
 
 
 def _structure_problems(state: dict) -> list[str]:
-    problems = [f"{key} is missing" for key in STRUCTURE if key not in state]
+    problems, found = [], {}
+    for path, kind in STRUCTURE.items():
+        parent, _, key = path.rpartition(".")
+        if parent and parent not in found:
+            continue  # its parent is missing or malformed, and said so already
+        node = found[parent] if parent else state
+        if key not in node:
+            problems.append(f"{path} is missing")
+        elif not isinstance(node[key], kind):
+            problems.append(f"{path} is a {type(node[key]).__name__}")
+        else:
+            found[path] = node[key]
     problems += [
-        f"{key} is a {type(state[key]).__name__}"
-        for key, kind in STRUCTURE.items()
-        if key in state and not isinstance(state[key], kind)
+        f"{path}={found[path]!r} is not a count"
+        for path in COUNTERS
+        if path in found and (type(found[path]) is not int or found[path] < 0)
     ]
-    if problems:
-        return problems
-    problems += [
-        f"{key} holds {', '.join(sorted(map(str, state[key])))}, not {', '.join(sorted(parts))}"
-        for key, parts in PARTS.items()
-        if not parts <= state[key].keys() or (key == "data_position" and state[key].keys() != parts)
-    ]
-    counters = {"step": state["step"], **{f"data_position.{k}": v for k, v in state["data_position"].items()}}
-    problems += [
-        f"{key}={value!r} is not a count" for key, value in counters.items() if type(value) is not int or value < 0
-    ]
+    if "data_position" in found and (extra := sorted(found["data_position"].keys() - {"epoch", "batch"})):
+        problems.append(f"data_position has unknown keys {', '.join(map(str, extra))}")
+    if "model" in found and (odd := [key for key, value in found["model"].items() if not torch.is_tensor(value)]):
+        problems.append(f"model holds non-tensors at {', '.join(map(str, odd[:3]))}")
     return problems
 
 
@@ -292,7 +337,7 @@ def _steps(home: Path) -> list[tuple[int, Path]]:
 
 def _prune(home: Path, keep_last: int) -> None:
     for _, path in sorted(_steps(home), reverse=True)[keep_last:]:
-        path.unlink(missing_ok=True)
+        _remove(path)
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: bool) -> None:
@@ -316,27 +361,30 @@ def _temporary(path: Path) -> Path:
 
 
 def _torch_save(state: dict, file: BinaryIO) -> None:
-    """torch.save, raising the OS's error when a write fails: torch itself reports a full disk
-    as 'unexpected pos 704 vs 598'."""
-    failed: list[OSError] = []
-
-    class Recorder:
-        def write(self, data: bytes) -> int:
-            try:
-                return file.write(data)
-            except OSError as error:
-                failed.append(error)
-                raise
-
-        def flush(self) -> None:
-            file.flush()
-
+    """torch.save, raising what really went wrong when a write fails: torch reports a full disk,
+    or a Ctrl-C mid-write, as 'unexpected pos 704 vs 598'."""
+    writer = _RecordingWriter(file)
     try:
-        torch.save(state, Recorder())
+        torch.save(state, writer)
     except RuntimeError:
-        if failed:
-            raise failed[0] from None
+        if writer.failure is not None:
+            raise writer.failure from None
         raise
+
+
+class _RecordingWriter:
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.failure = file, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except BaseException as failure:
+            self.failure = failure
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _sync_folder(folder: Path) -> None:

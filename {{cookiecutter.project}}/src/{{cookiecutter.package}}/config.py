@@ -2,10 +2,12 @@
 
 The YAML files choose the values; these classes fix the keys and their types. Hydra merges every
 YAML file into its schema, so a misspelt key, `optimizer.lr=abc` or `amp.enabled=maybe` stops the
-run at composition time, before any work starts, with Hydra's own message.
+run at composition time, before any work starts, with Hydra's own message. What Hydra lets through
+(a key added with `+`, a value out of range) `check_values` refuses before the run starts.
 """
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -141,7 +143,9 @@ def check_values(cfg: Config) -> None:
     problems = unknown_keys(cfg, Config)
     for key, rule, explained in RULES:
         value = OmegaConf.select(cfg, key)
-        if value is not None and not rule(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value} must be a finite number")
+        elif value is not None and not rule(value):
             problems.append(f"{key}={value} {explained}")
     for key, choices in CHOICES.items():
         if (value := OmegaConf.select(cfg, key)) not in choices:

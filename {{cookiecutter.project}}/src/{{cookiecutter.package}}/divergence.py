@@ -5,6 +5,7 @@ NaN weights over, or prune away, the good checkpoints before it.
 update of a step whose loss is not finite, `warn` only says so. A step whose update was dropped
 (by `skip_step`, or by the GradScaler under fp16, which skips any step with non-finite gradients)
 changes no weight, so it is tolerated up to `trainer.nonfinite_patience` steps in a row.
+Whatever the policy, weights or a probe loss that are no longer finite are never saved (train.py).
 """
 
 import logging
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .config import TrainerConfig
+from .errors import RunError
 
 log = logging.getLogger(__name__)
 
@@ -24,40 +26,43 @@ class Divergence:
 
     def __init__(self, cfg: TrainerConfig, scaled: bool) -> None:
         self.policy, self.patience = cfg.on_nonfinite, cfg.nonfinite_patience
-        self.absorbed = scaled or self.policy == "skip_step"  # a non-finite step updates nothing
+        # Where a non-finite step updates nothing, and by what.
+        self.dropped_by = (
+            "the GradScaler" if scaled else "trainer.on_nonfinite=skip_step" if self.policy == "skip_step" else None
+        )
         self._watched: list[tuple[int, torch.Tensor]] = []
         self._streak: list[int] = []  # the steps of the current run of non-finite losses
 
     def watch(self, step: int, loss: torch.Tensor) -> None:
         self._watched.append((step, loss))
 
-    def check(self) -> str | None:
-        """Why the run must stop, or None; warns under `on_nonfinite=warn`."""
+    def check(self, on_disk: str) -> None:
+        """Raises RunError, naming the step and `on_disk` (the newest checkpoint), when the run
+        must stop before it saves again; otherwise warns, once a streak of non-finite steps."""
         if not self._watched:
-            return None
+            return
         steps = [step for step, _ in self._watched]
         losses = torch.stack([loss for _, loss in self._watched]).float().tolist()
         self._watched.clear()
-        bad = []
         for step, loss in zip(steps, losses, strict=True):
             if math.isfinite(loss):
                 self._streak.clear()
                 continue
-            bad.append((step, loss))
             self._streak.append(step)
-            if self.absorbed and len(self._streak) > self.patience:
-                return (
-                    f"the loss was not finite for {len(self._streak)} steps in a row "
-                    f"(steps {self._streak[0]} to {step}), more than trainer.nonfinite_patience={self.patience}"
+            if self.dropped_by is None and self.policy == "stop":
+                raise RunError(
+                    f"the loss is {loss} at step {step}: the run stops unsaved; {on_disk}; continue from it with "
+                    f"resume=last and a lower optimizer.lr, or choose trainer.on_nonfinite=skip_step"
                 )
-            if not self.absorbed and self.policy == "stop":
-                return f"the loss is {loss} at step {step}"
-        if bad and self.policy == "warn":
-            log.warning(
-                f"the loss is not finite at {len(bad)} step(s) from step {bad[0][0]} ({bad[0][1]}); "
-                f"trainer.on_nonfinite=warn: training goes on"
-            )
-        return None
+            if self.dropped_by is not None and len(self._streak) > self.patience:
+                raise RunError(
+                    f"the loss was not finite for {len(self._streak)} steps in a row (steps {self._streak[0]} to "
+                    f"{step}), more than trainer.nonfinite_patience={self.patience}: the run stops unsaved; "
+                    f"{on_disk}; continue from it with resume=last and a lower optimizer.lr"
+                )
+            if len(self._streak) == 1:
+                dropped = f"{self.dropped_by} dropped its update" if self.dropped_by else "trainer.on_nonfinite=warn"
+                log.warning(f"the loss is {loss} at step {step}; {dropped}, and training goes on")
 
 
 def nonfinite_weights(model: nn.Module) -> list[str]:

@@ -1,6 +1,6 @@
-"""The training recipe, top to bottom: build, place, restore, audit, check, train, save.
+"""The training recipe, top to bottom: claim, build, place, restore, audit, check, train, save.
 
-The order in `train` is the point of this file. Each numbered step says why it stands where it
+The order in `train` and `build_restore_and_train` is the point of this file. Each numbered step says why it stands where it
 does; moving one is how the failures this project exists to prevent come back.
 """
 
@@ -94,8 +94,8 @@ def train(cfg: Config, job: Job | None = None) -> dict:
     if cfg.mlflow.enabled:
         check_tracking_uri(cfg.mlflow)
 
-    # Then the checkpoint home, held until the run ends: a second run on the same experiment, or
-    # a folder that cannot take checkpoints, stops here, not at a save hours later.
+    # 2. The checkpoint home, held until the run ends: a second run on the same experiment, or a
+    #    folder that cannot take checkpoints, stops here, not at a save hours later.
     home = Path(cfg.checkpoint.dir) / job.key if job else Path(cfg.checkpoint.dir)  # each sweep job has its own
     with checkpoints.claim(home):
         if cfg.resume is None and checkpoints.has_checkpoints(home):
@@ -103,20 +103,21 @@ def train(cfg: Config, job: Job | None = None) -> dict:
                 f"{home} already holds checkpoints of experiment {cfg.experiment!r}; continue them with "
                 f"resume=last, or start a separate run with experiment=<new name> (or checkpoint.dir=<path>)"
             )
-        return train_in(home, cfg, device, job)
+        return build_restore_and_train(home, cfg, device, job)
 
 
-def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> dict:
-    # 2. The whole model, with any structural change (a new head, frozen layers) made inside
+def build_restore_and_train(home: Path, cfg: Config, device: torch.device, job: Job | None) -> dict:
+    """Steps 3 to 10 of the recipe, in a checkpoint home that this run holds."""
+    # 3. The whole model, with any structural change (a new head, frozen layers) made inside
     #    build_model: the move below carries only the submodules that exist at that moment.
     data = build_data(cfg.data)
     model = build_model(cfg.model, data.num_features, data.num_classes)
 
-    # 3. Model and criterion to the device.
+    # 4. Model and criterion to the device.
     model.to(device, memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format)
     criterion = nn.CrossEntropyLoss().to(device)
 
-    # 4. Optimizer, scheduler and scaler, built on parameters that are already placed.
+    # 5. Optimizer, scheduler and scaler, built on parameters that are already placed.
     optimizer = build_optimizer(cfg.optimizer, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer)
     scaler = build_scaler(cfg.amp, device)
@@ -124,7 +125,7 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
     tracker = Tracker(cfg.mlflow, home, parent_run_id, run_name)
     run = Run(cfg, device, home, model, criterion, optimizer, scheduler, scaler, tracker)
 
-    # 5. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
+    # 6. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
     found = checkpoints.find(cfg.resume, home)
@@ -134,11 +135,11 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
         resumed_from, saved = found
         restore(run, saved)
         position, step = Position(**saved["data_position"]), saved["step"]
-        probe = Probe.of(data.val, saved["probe"]["indices"])
+        probe = Probe.of(data.val, check_probe_fits(saved["probe"]["indices"], len(data.val)))
         if (folder := checkpoints.set_aside_newer(home, step)) is not None:
             log.info(f"resuming from step {step}: the newer checkpoints of {home} are moved to {folder}")
 
-    # 6. Optimize for the device after the restore, so that it starts from the restored state.
+    # 7. Optimize for the device after the restore, so that it starts from the restored state.
 {%- if cookiecutter.ipex %}
     #    IPEX rewrites model and optimizer from what they hold; what it returns replaces them.
     if cfg.device.ipex:
@@ -149,10 +150,10 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
     if cfg.trainer.compile:
         run.model.compile()  # in place: state_dict keys stay those of the plain model
 
-    # 7. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
+    # 8. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
     audit_placement(device, run.model, run.optimizer, run.scaler)
 
-    # 8. One MLflow run across resumes; then the continuity check: the probe loss now must
+    # 9. One MLflow run across resumes; then the continuity check: the probe loss now must
     #    match the probe loss stored at save. Signals wait for a checkpoint from here on.
     trainer, status = cfg.trainer, "FAILED"
     with Preemption() as preemption:
@@ -164,11 +165,11 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
         try:
             continuity = check_continuity(run, saved, probe, step) if found is not None else "fresh"
 
-            # 9. Train; save on schedule, on SIGTERM/SIGINT, and at the end. A save that fails
-            #    (a full disk) costs a warning and is tried again at the next save point; a loss
-            #    that is not finite stops the run before it can save (divergence.py).
+            # 10. Train; save on schedule, on SIGTERM/SIGINT, and at the end. A save that fails
+            #     (a full disk) costs a warning and is tried again at the next save point; a loss
+            #     that is not finite stops the run before it can save (divergence.py).
             stream = batches(build_loader(data.train, cfg.data, cfg.device, cfg.seed), position)
-            saves = Saver(run, probe, step if found is not None else None)
+            saver = Saver(run, probe, resumed_from if found is not None else None)
             divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
             first_step, started, samples = step, time.perf_counter(), 0
             window_start, window_steps, window_samples = started, 0, 0
@@ -184,7 +185,7 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
                     window_samples += batch_samples
                     bar.update()
                     if step % trainer.log_every_n_steps == 0:
-                        saves.stop_if_diverged(divergence)
+                        divergence.check(saver.on_disk())
                         seconds = time.perf_counter() - window_start
                         metrics = {
                             "train/loss": loss.item(),
@@ -200,15 +201,15 @@ def train_in(home: Path, cfg: Config, device: torch.device, job: Job | None) -> 
                     if step % trainer.val_every_n_steps == 0 and step < trainer.max_steps:
                         run.tracker.log_metrics(evaluate(run, data.val), step)
                     if step % cfg.checkpoint.every_n_steps == 0:
-                        saves.stop_if_diverged(divergence)
-                        saves.try_save(position, step)
+                        divergence.check(saver.on_disk())
+                        saver.try_save(position, step)
             seconds = time.perf_counter() - started
             trained = step > first_step
             throughput = {"train/steps_per_s": (step - first_step) / seconds, "train/samples_per_s": samples / seconds}
-            saves.stop_if_diverged(divergence)
+            divergence.check(saver.on_disk())
             val = evaluate(run, data.val)
             run.tracker.log_metrics(val, step)
-            saves.final(position, step)
+            saver.final(position, step)
             stopped = (
                 preemption.received if step < trainer.max_steps else None
             )  # a signal after the last step stops nothing
@@ -285,12 +286,12 @@ def probe_loss(run: Run, probe: Probe) -> float:
 
 
 class Saver:
-    """The loop's checkpoints: which is the newest on disk, saves that fail without ending the run
-    (until the last one), and the stops that leave the good checkpoints untouched."""
+    """The loop's checkpoints: which is the newest on disk, and saves that fail without ending
+    the run (until the last one)."""
 
-    def __init__(self, run: Run, probe: Probe, newest: int | None) -> None:
+    def __init__(self, run: Run, probe: Probe, newest: Path | None) -> None:
         self.run, self.probe = run, probe
-        self.newest = newest  # the step of this run's newest checkpoint on disk
+        self.newest = newest  # this run's newest checkpoint on disk, or the one it resumed from
         self.failed: SaveError | None = None
 
     def try_save(self, position: Position, step: int) -> None:
@@ -308,7 +309,7 @@ class Saver:
 
     def final(self, position: Position, step: int) -> None:
         """The save at the end (or at a signal), which must succeed or the run fails."""
-        if self.newest == step:
+        if self.newest == checkpoints.path_of(self.run.home, step):
             return
         try:
             self._save(position, step)
@@ -318,34 +319,26 @@ class Saver:
                 f"then continue with resume=last"
             ) from None
 
-    def stop_if_diverged(self, divergence: Divergence) -> None:
-        if (reason := divergence.check()) is not None:
-            raise RunError(
-                f"{reason}: the run stops unsaved; {self.on_disk()}; continue from it with resume=last and "
-                f"a lower optimizer.lr, or choose trainer.on_nonfinite=skip_step"
-            )
-
     def on_disk(self) -> str:
-        if self.newest is None:
-            return "no checkpoint of this run is on disk"
-        return f"the newest checkpoint on disk is {checkpoints.path_of(self.run.home, self.newest)}"
+        return f"the newest checkpoint on disk is {self.newest}" if self.newest else "no checkpoint is on disk"
 
     def _save(self, position: Position, step: int) -> None:
-        # NaN weights stay NaN whatever follows: saved, they would displace the good checkpoints.
-        if broken := nonfinite_weights(self.run.model):
+        # A model that no longer computes numbers stays broken whatever follows: saved, it would
+        # become resume=last and push the good checkpoints out. This RunError ends the run.
+        loss = probe_loss(self.run, self.probe)
+        broken = nonfinite_weights(self.run.model) + ([] if math.isfinite(loss) else [f"probe loss {loss}"])
+        if broken:
             raise RunError(
-                f"the model's weights are not finite at step {step} ({', '.join(broken[:3])}"
+                f"the model is no longer finite at step {step} ({', '.join(broken[:3])}"
                 f"{', ...' if len(broken) > 3 else ''}): nothing is saved; {self.on_disk()}; continue from it "
                 f"with resume=last and a lower optimizer.lr"
             )
-        save(self.run, position, step, self.probe)
-        self.newest = step
+        self.newest = save(self.run, position, step, self.probe, loss)
 
 
-def save(run: Run, position: Position, step: int, probe: Probe) -> None:
-    """Writes a checkpoint of everything needed to continue exactly, and logs the probe loss as
-    `checkpoint/loss`."""
-    loss = probe_loss(run, probe)
+def save(run: Run, position: Position, step: int, probe: Probe, loss: float) -> Path:
+    """Writes a checkpoint of everything needed to continue exactly, with the probe's `loss`, and
+    logs that as `checkpoint/loss`."""
     state = {
         "format_version": checkpoints.FORMAT_VERSION,
         "step": step,
@@ -363,9 +356,10 @@ def save(run: Run, position: Position, step: int, probe: Probe) -> None:
         "amp": amp_setting(run.cfg),
         "versions": library_versions(),
     }
-    checkpoints.save(state, run.home, step, run.cfg.checkpoint.keep_last)
+    path = checkpoints.save(state, run.home, step, run.cfg.checkpoint.keep_last)
     run.tracker.log_metrics({"checkpoint/loss": loss}, step)
     run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
+    return path
 
 
 def restore(run: Run, saved: dict) -> None:
@@ -391,6 +385,16 @@ def restore(run: Run, saved: dict) -> None:
     restore_rng(saved["rng"], run.device)  # last: nothing after it may draw random numbers
 
 
+def check_probe_fits(indices: torch.Tensor, available: int) -> torch.Tensor:
+    if len(indices) and int(indices.max()) >= available:
+        raise RunError(
+            f"the checkpoint's continuity probe uses validation sample {int(indices.max())}, but this data has "
+            f"{available}; resume with the data settings it was trained with, or start a new run with "
+            f"experiment=<new name>"
+        )
+    return indices
+
+
 def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
     current = model.state_dict()
     missing = sorted(current.keys() - saved.keys())
@@ -412,13 +416,14 @@ def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 
 def report_changes(saved: dict, run: Run) -> None:
     """Settings that differ from the checkpoint's: allowed (a new device, a new lr), and said.
-    The device is compared as resolved: device=auto that finds the same cpu changes nothing."""
-    before = {**flatten(saved["config"]), "device.type": saved["device"]["type"]}
-    after = {**flat_params(run.cfg), "device.type": run.device.type}
+    The device is compared as resolved, not as its config group: device=auto that finds the same
+    cpu changes nothing."""
+    before = {**flatten(saved["config"]), "device": saved["device"]["type"]}
+    after = {**flat_params(run.cfg), "device": run.device.type}
     changed = {
         key: f"{before.get(key)} -> {value}"
         for key, value in after.items()
-        if key != "resume" and before.get(key) != value
+        if key != "resume" and not key.startswith("device.") and before.get(key) != value
     }
     if changed:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
@@ -447,8 +452,9 @@ def check_continuity(run: Run, saved: dict, probe: Probe, step: int) -> str:
     before, now = saved["probe"]["loss"], probe_loss(run, probe)
     same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == amp_setting(run.cfg)
     ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
-    # NaN equals nothing, itself included: a NaN probe proves neither continuity nor a break.
-    verdict = "nonfinite" if not (math.isfinite(before) and math.isfinite(now)) else "ok" if ok else "mismatch"
+    # NaN equals nothing, itself included: a NaN loss at save can prove neither continuity nor a
+    # break (a finite one at save and NaN now is a break).
+    verdict = "ok" if ok else "nonfinite" if not math.isfinite(before) else "mismatch"
     run.tracker.log_metrics({"resume/loss": now, "resume/loss_delta": abs(now - before)}, step)
     run.tracker.set_tags({"continuity": verdict})
     line = f"resumed at step {step} on {run.device}: loss at save {before:.4f}, loss now {now:.4f} ({verdict})"
