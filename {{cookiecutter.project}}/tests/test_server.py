@@ -1,6 +1,7 @@
 """A real `mlflow server` on a loopback port: runs reach it over HTTP, and a server that goes
 away mid-run costs a warning, not the run."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_a_run_logs_to_a_real_server_over_http(project, server):
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
 
 
-def test_a_server_stopped_mid_run_costs_a_warning_and_its_metrics_are_replayed_later(project, server):
+def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_metrics_and_ends_it(project, server):
     home = project / "checkpoints" / "demo"
     process = start(
         project, f"mlflow.tracking_uri={server.uri}", "trainer.max_steps=4000", "checkpoint.every_n_steps=50"
@@ -87,11 +88,19 @@ def test_a_server_stopped_mid_run_costs_a_warning_and_its_metrics_are_replayed_l
     run_id = checkpoints.newest_valid(home)[1]["mlflow_run_id"]
     spill = home / f"unsent-metrics-{run_id}.jsonl"
     assert f"they are in {spill}" in output
+    assert f"could not mark MLflow run {run_id} FINISHED (" in output
+    end = json.loads(spill.read_text().splitlines()[-1])
+    assert (end["run_id"], end["status"], end["resumes"]) == (run_id, "FINISHED", 0)
 
-    server.start()  # the same store comes back; what the run kept goes in now
+    server.start()  # the same store comes back; what the run kept goes in now, and the run ends
+    client = MlflowClient(server.uri)
+    assert client.get_run(run_id).info.status == "RUNNING"
     replayed = subprocess.run(
         [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "replay", str(spill), "--tracking-uri", server.uri],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert replayed.stdout.startswith("sent ")
-    assert sorted(losses(MlflowClient(server.uri), run_id)) == list(range(10, 4001, 10))
+    *_, sent, ended_line = replayed.stdout.splitlines()  # before them, MLflow's link to the run it ended
+    assert sent.startswith("sent ") and ended_line == f"run {run_id}: ended FINISHED"
+    assert sorted(losses(client, run_id)) == list(range(10, 4001, 10))
+    ended = client.get_run(run_id).info
+    assert (ended.status, ended.end_time) == ("FINISHED", end["end_time"])

@@ -108,6 +108,49 @@ def sweep_runs_latest(client: MlflowClient, experiment: str) -> tuple:
     return client, parent, children
 
 
+PAUSE_BEFORE_SECOND_JOB = """
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+
+class PauseBeforeSecondJob(Callback):
+    def on_job_start(self, config, **kwargs):
+        if config.hydra.job.num == 1:
+            Path("between jobs").touch()
+            time.sleep(120)
+"""
+
+
+def test_a_sweep_stopped_by_sigterm_between_jobs_ends_its_run_killed(project):
+    (project / "pause_between_jobs.py").write_text(PAUSE_BEFORE_SECOND_JOB)
+    process = start(
+        project, "-m", "optimizer=adamw,sgd", "trainer.max_steps=10",
+        "+hydra.callbacks.pause._target_=pause_between_jobs.PauseBeforeSecondJob",
+    )  # fmt: skip
+    while not (project / "between jobs").exists():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM received between jobs: the sweep stops, its MLflow run ends KILLED" in stdout + stderr
+    _, parent, children = sweep_runs(project)
+    assert parent.info.status == "KILLED"
+    assert {name: child.info.status for name, child in children.items()} == {
+        "optimizer=adamw,trainer.max_steps=10": "FINISHED"
+    }
+
+
+def test_a_sweep_with_a_tracking_uri_mlflow_cannot_open_stops_before_any_job_in_one_line(project):
+    result = run_cli(project, "-m", "optimizer=adamw,sgd", "trainer.max_steps=10", "mlflow.tracking_uri=foo://bar")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: mlflow.tracking_uri=foo://bar: MLflow")
+    assert "Traceback" not in result.stderr
+    assert not (project / "checkpoints").exists()
+
+
 def test_a_search_sweep_minimizes_the_final_validation_loss(project):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[search]'")
     result = run_cli(

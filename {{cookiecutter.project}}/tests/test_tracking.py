@@ -1,20 +1,30 @@
 """MLflow: one run across resumes, the continuity evidence, and metrics that never wait on, or
 die with, the tracking store."""
 
+import contextlib
 import json
 import logging
 import queue
+import shutil
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import mlflow
 import pytest
 import yaml
-from conftest import losses
+from conftest import losses, start
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.tracking import _Sender, replay
+from {{cookiecutter.package}}.config import MlflowConfig
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.tracking import Tracker, _Sender, check_tracking_uri, connect, experiment_id, replay
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):
@@ -112,6 +122,7 @@ class Store:
         self.open.set()
         self.failing = False
         self.batches: list[list] = []
+        self.ended: list[tuple] = []
 
     def log_batch(self, run_id, metrics):
         self.open.wait()
@@ -119,10 +130,16 @@ class Store:
             raise ConnectionError("server went away")
         self.batches.append(list(metrics))
 
+    def set_terminated(self, run_id, status, end_time):
+        if self.failing:
+            raise ConnectionError("server went away")
+        self.ended.append((run_id, status, end_time))
 
-def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None) -> None:
+
+def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None, end: dict | None = None) -> None:
     """Runs the sender loop in a thread over metrics handed over one step at a time, the way
-    the training process hands them over, then ends it; `hold` runs before the end."""
+    the training process hands them over, then ends it, with the end of the run when given;
+    `hold` runs before the end."""
     incoming: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_Sender(store, "run", spill, incoming).run)
     sender.start()
@@ -130,6 +147,8 @@ def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None) -> N
         incoming.put([["train/loss", value, 0, step]])
     if hold is not None:
         hold()
+    if end is not None:
+        incoming.put(end)
     incoming.put(None)
     sender.join(timeout=60)
     assert not sender.is_alive()
@@ -137,6 +156,11 @@ def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None) -> N
 
 def sent_steps(store: Store) -> list[int]:
     return [metric.step for batch in store.batches for metric in batch]
+
+
+def spilled_for(spill: Path, run_id: str) -> None:
+    """Points a spill file written for the stand-in run "run" at a real run."""
+    spill.write_text(spill.read_text().replace('"run_id": "run"', f'"run_id": "{run_id}"'))
 
 
 def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_in_batches(tmp_path):
@@ -176,6 +200,217 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
     assert f"30 metrics could not reach MLflow; they are in {spill}" in caplog.text
     assert f"python -m {{cookiecutter.package}}.tracking replay {spill}" in caplog.text
     run_id = client.create_run(client.create_experiment("replay")).info.run_id
-    spill.write_text(spill.read_text().replace('"run_id": "run"', f'"run_id": "{run_id}"'))
-    assert replay(spill, client.tracking_uri) == 30
+    spilled_for(spill, run_id)
+    assert replay(spill, client.tracking_uri) == (30, {})
     assert losses(client, run_id) == {step: [step / 10] for step in range(1, 31)}
+    assert client.get_run(run_id).info.status == "RUNNING", "no end recorded: the run is left as it is"
+
+
+def test_replay_ends_a_run_that_the_store_could_not_end(tmp_path, client, caplog):
+    run = client.create_run(client.create_experiment("replay-end"))
+    end = {"status": "KILLED", "end_time": run.info.start_time + 5000, "resumes": 0}
+    store = Store()
+    store.failing = True
+    spill = tmp_path / "unsent.jsonl"
+    with caplog.at_level(logging.WARNING):
+        drain(store, spill, {step: step / 10 for step in range(1, 4)}, end=end)
+    rows = [json.loads(line) for line in spill.read_text().splitlines()]
+    assert [row.get("step") for row in rows] == [1, 2, 3, None]
+    assert rows[-1] == {"run_id": "run", **end}, "the end comes after the metrics it could not send"
+    assert f"could not mark MLflow run run KILLED (server went away); that is recorded in {spill}" in caplog.text
+
+    spilled_for(spill, run.info.run_id)
+    assert replay(spill, client.tracking_uri) == (3, {run.info.run_id: "ended KILLED"})
+    ended = client.get_run(run.info.run_id).info
+    assert (ended.status, ended.end_time) == ("KILLED", run.info.start_time + 5000)
+    assert losses(client, run.info.run_id) == {1: [0.1], 2: [0.2], 3: [0.3]}
+
+
+def test_an_end_the_store_refused_is_recorded_even_when_every_metric_arrived(tmp_path):
+    store = Store()
+    spill = tmp_path / "unsent.jsonl"
+
+    def store_goes_away() -> None:
+        while len(sent_steps(store)) < 3:
+            time.sleep(0.01)
+        store.failing = True
+
+    drain(
+        store,
+        spill,
+        {1: 1.0, 2: 2.0, 3: 3.0},
+        hold=store_goes_away,
+        end={"status": "FINISHED", "end_time": 7, "resumes": 2},
+    )
+    assert sent_steps(store) == [1, 2, 3]
+    assert [json.loads(line) for line in spill.read_text().splitlines()] == [
+        {"run_id": "run", "status": "FINISHED", "end_time": 7, "resumes": 2}
+    ]
+
+
+def test_replay_ends_only_a_run_still_waiting_for_that_end(tmp_path, client):
+    experiment = client.create_experiment("replay-guard")
+    resumed = client.create_run(experiment, tags={"resumes": "1"})  # resumed after the end was recorded
+    ended = client.create_run(experiment)
+    client.set_terminated(ended.info.run_id, status="FAILED")
+    spill = tmp_path / "unsent.jsonl"
+    spill.write_text(
+        "".join(
+            json.dumps({"run_id": run.info.run_id, "status": "KILLED", "end_time": 1, "resumes": 0}) + "\n"
+            for run in (resumed, ended)
+        )
+    )
+    assert replay(spill, client.tracking_uri) == (
+        0,
+        {
+            resumed.info.run_id: "left RUNNING: it was resumed since",
+            ended.info.run_id: "left FAILED: it was ended since",
+        },
+    )
+    assert client.get_run(resumed.info.run_id).info.status == "RUNNING"
+    assert client.get_run(ended.info.run_id).info.status == "FAILED"
+
+
+def test_replay_into_a_store_without_the_run_says_so_in_one_line(tmp_path):
+    spill = tmp_path / "unsent.jsonl"
+    spill.write_text(
+        json.dumps({"run_id": "0" * 32, "key": "train/loss", "value": 1.0, "timestamp": 0, "step": 1}) + "\n"
+    )
+    store = f"sqlite:///{tmp_path / 'other.db'}"
+    replayed = subprocess.run(
+        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "replay", str(spill), "--tracking-uri", store],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert replayed.returncode == 1
+    (last,) = [line for line in replayed.stderr.splitlines() if "mlflow.store.db.utils" not in line]
+    assert last.startswith(f"error: could not replay {spill} into {store} (Run with id={'0' * 32} not found); ")
+
+
+def test_a_sender_that_died_leaves_the_end_of_the_run_to_the_trainer(make_cfg, client, tmp_path):
+    tracker = Tracker(make_cfg().mlflow, tmp_path)
+    tracker.start({"seed": "0"}, {}, "seed: 0\n")
+    tracker._sender._child.kill()
+    tracker._sender._child.wait()
+    tracker.finish("KILLED")
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+
+
+def test_a_moved_store_keeps_its_artifacts_and_new_runs_write_beside_it(make_cfg, tmp_path):
+    before, after = tmp_path / "before", tmp_path / "after"
+    first = recipe.train(make_cfg("trainer.max_steps=10", f"mlflow.tracking_uri=sqlite:///{before / 'mlflow.db'}"))
+    shutil.move(before, after)
+    second = recipe.train(
+        make_cfg(
+            "trainer.max_steps=10",
+            f"mlflow.tracking_uri=sqlite:///{after / 'mlflow.db'}",
+            f"checkpoint.dir={tmp_path / 'second'}",
+        )
+    )
+    client, artifacts = MlflowClient(f"sqlite:///{after / 'mlflow.db'}"), (after / "mlruns").as_uri()
+    assert client.get_experiment_by_name("demo").artifact_location == artifacts
+    run_ids = (first["run_id"], second["run_id"])
+    uris = {run_id: client.get_run(run_id).info.artifact_uri for run_id in run_ids}
+    assert uris == {run_id: f"{artifacts}/{run_id}/artifacts" for run_id in run_ids}
+    assert (after / "mlruns" / second["run_id"] / "artifacts" / "config.yaml").is_file()
+    assert not before.exists(), "the old folder is not recreated"
+    config = client.download_artifacts(first["run_id"], "config.yaml", str(tmp_path))
+    assert yaml.safe_load(Path(config).read_text())["trainer"]["max_steps"] == 10
+
+
+def test_moving_a_store_leaves_artifact_locations_a_user_chose_alone(tmp_path):
+    before, after = tmp_path / "before", tmp_path / "after"
+    cfg = OmegaConf.structured(
+        MlflowConfig(enabled=True, tracking_uri=f"sqlite:///{before / 'mlflow.db'}", experiment_name="ours")
+    )
+    client = MlflowClient(cfg.tracking_uri)
+    ours = experiment_id(client, cfg)
+    chosen = {
+        "shared": (tmp_path / "shared" / "mlruns").as_uri(),
+        "bucket": "s3://bucket/mlruns",
+        "ui": (before / "mlruns" / "7").as_uri(),  # what `mlflow ui` run in that folder would choose
+    }
+    ids = {name: client.create_experiment(name, artifact_location=location) for name, location in chosen.items()}
+    run = client.create_run(ids["shared"])
+    shutil.move(before, after)
+
+    moved = connect(f"sqlite:///{after / 'mlflow.db'}")
+    assert moved.get_experiment(ours).artifact_location == (after / "mlruns").as_uri()
+    assert {name: moved.get_experiment(ids[name]).artifact_location for name in chosen} == chosen
+    assert moved.get_run(run.info.run_id).info.artifact_uri == run.info.artifact_uri
+
+
+def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(project):
+    process = start(project, "trainer.max_steps=8000", "trainer.log_every_n_steps=1")
+    while not metrics_in(project / "mlflow.db"):  # the sender is connected: it keeps its connection
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    (project / "mlflow.db").unlink()
+    assert process.poll() is None, "deleted mid-run"
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert "finished at step 8000" in stdout + stderr
+    assert "Traceback" not in stderr and "SQLAlchemy database error" not in stderr
+    assert "MLflow is not taking metrics (attempt to write a readonly database); training goes on" in stderr
+    run_id = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]["mlflow_run_id"]
+    assert f"could not mark MLflow run {run_id} FINISHED (attempt to write a readonly database)" in stderr
+
+
+def metrics_in(database: Path) -> int:
+    if not database.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        try:
+            return db.execute("SELECT count(*) FROM metrics").fetchone()[0]
+        except sqlite3.OperationalError:  # tables not made yet
+            return 0
+
+
+@pytest.mark.parametrize(
+    ("uri", "found"),
+    [
+        ("foo://bar", "mlflow.tracking_uri=foo://bar: MLflow {version} knows no store at foo://"),
+        ("not a uri", "mlflow.tracking_uri=not a uri is not a URI (MLflow would take it for a file store folder)"),
+        (
+            "file:///tmp/mlruns",
+            "mlflow.tracking_uri=file:///tmp/mlruns is a file store, which MLflow {version} no longer opens",
+        ),
+        ("http://", "mlflow.tracking_uri=http:// names no server"),
+    ],
+)
+def test_a_tracking_uri_mlflow_cannot_open_is_refused_in_one_line(uri, found):
+    with pytest.raises(RunError) as refused:
+        check_tracking_uri(MlflowConfig(enabled=True, tracking_uri=uri, experiment_name="demo"))
+    message = str(refused.value)
+    assert message.startswith(found.format(version=mlflow.__version__))
+    assert "use mlflow.tracking_uri=sqlite:///<folder>/mlflow.db or http://<host>:<port>" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "sqlite:///mlflow.db",
+        "sqlite:////nowhere/yet/mlflow.db",
+        "http://127.0.0.1:1",  # nothing listens there: that is the Tracker's warning, not a refusal
+        "https://mlflow.example.com",
+        "postgresql://user@db.example.com/mlflow",
+        "postgresql+psycopg2://user@db.example.com/mlflow",
+    ],
+)
+def test_a_tracking_uri_mlflow_can_open_passes_the_check_without_opening_it(uri):
+    check_tracking_uri(MlflowConfig(enabled=True, tracking_uri=uri, experiment_name="demo"))
+
+
+def test_a_file_store_passes_the_check_when_mlflow_is_told_to_allow_it(monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking_uri(MlflowConfig(enabled=True, tracking_uri="file:///tmp/mlruns", experiment_name="demo"))
+
+
+def test_a_store_mlflow_cannot_build_costs_one_warning_and_training_goes_on(make_cfg, caplog):
+    with caplog.at_level(logging.WARNING):
+        summary = recipe.train(make_cfg("trainer.max_steps=10", "mlflow.tracking_uri=foo://bar"))
+    assert summary["step"] == 10 and summary["run_id"] is None
+    (warning,) = [
+        record.getMessage() for record in caplog.records if "MLflow at foo://bar failed" in record.getMessage()
+    ]
+    assert warning.endswith("training goes on without tracking") and "\n" not in warning

@@ -14,10 +14,14 @@ job that had started and starts the others.
 import atexit
 import json
 import logging
+import signal
+import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -26,7 +30,7 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig
 
 from .errors import RunError
-from .tracking import experiment_id
+from .tracking import check_tracking_uri, connect, experiment_id, first_line
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +87,18 @@ def current_job() -> Job | None:
 
 class SweepCallback(Callback):
     """Opens the sweep's parent MLflow run before the first job and closes it after the last,
-    with the summary table as its artifact `summary.md`."""
+    with the summary table as its artifact `summary.md`.
+
+    A sweep stopped early ends the parent KILLED: by an exception or SIGINT through `atexit`,
+    by SIGTERM through a handler of its own, since a signal's death skips `atexit`. During a job,
+    train.py's `Preemption` holds SIGTERM instead (the job saves, then the sweep stops) and puts
+    this handler back after.
+    """
 
     def __init__(self) -> None:
         self._client: MlflowClient | None = None
         self._parent_run_id: str | None = None
+        self._previous_sigterm = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)  # lets `${project_root:}` resolve out here too
@@ -95,18 +106,25 @@ class SweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if not config.mlflow.enabled:
             return
+        try:  # before any job: each would fail on it alone
+            check_tracking_uri(config.mlflow)
+        except RunError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         try:
-            self._client = MlflowClient(tracking_uri=config.mlflow.tracking_uri)
+            self._client = connect(config.mlflow.tracking_uri)
             experiment = experiment_id(self._client, config.mlflow)
             run = self._client.create_run(
                 experiment, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir)}
             )
         except Exception as error:  # the jobs can still run, and each tries MLflow itself
-            log.warning(f"MLflow failed ({error}); the sweep runs without a parent run")
+            log.warning(f"MLflow failed ({first_line(error)}); the sweep runs without a parent run")
             return
         self._parent_run_id = run.info.run_id
         (sweep_dir / PARENT_RUN_FILE).write_text(self._parent_run_id)
-        atexit.register(self._end_parent, "KILLED")  # a sweep stopped by a signal never reaches the end
+        atexit.register(self._end_parent, "KILLED")
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._stop)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -120,11 +138,22 @@ class SweepCallback(Callback):
         if failed:
             raise SystemExit(f"{len(failed)} of {len(results)} jobs failed: {', '.join(failed)}")
 
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGTERM received between jobs: the sweep stops, its MLflow run ends KILLED")
+        self._end_parent("KILLED")
+        raise SystemExit(128 + signum)
+
     def _end_parent(self, status: str) -> None:
-        if self._parent_run_id is not None:
-            atexit.unregister(self._end_parent)
+        if self._parent_run_id is None:
+            return
+        atexit.unregister(self._end_parent)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        try:
             self._client.set_terminated(self._parent_run_id, status=status)
-            self._parent_run_id = None
+        except Exception as error:  # the jobs' own runs are what matter; the store may be down
+            log.warning(f"could not mark the sweep's MLflow run {self._parent_run_id} {status}: {first_line(error)}")
+        self._parent_run_id = None
 
 
 def summary_table(results: list[dict]) -> str:
