@@ -504,7 +504,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def check_tracking_uri(cfg: MlflowConfig) -> None:  # TEMP until the mlflow-leftovers merge
-    pass
