@@ -197,6 +197,8 @@ def test_a_second_run_on_the_same_experiment_stops_at_once_and_the_first_keeps_i
         ("optimizer.lr=-1", "error: optimizer.lr=-1.0 must not be negative"),
         ("data.val_fraction=0", "error: data.val_fraction=0.0 must be above 0 and below 1"),
         ("device.index=7", "error: device.index=7 means nothing on device=cpu"),
+        ("mlflow.tracking_uri=foo://bar", "error: mlflow.tracking_uri=foo://bar: MLflow "),
+        ("mlflow.tracking_uri=file:///tmp/mlruns", "error: mlflow.tracking_uri=file:///tmp/mlruns is a file store"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_training(project, override, message):

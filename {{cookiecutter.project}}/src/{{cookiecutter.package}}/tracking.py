@@ -33,7 +33,6 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
 from mlflow.exceptions import MlflowException
-from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
 from mlflow.utils.uri import get_uri_scheme
 from sqlalchemy.engine import make_url
@@ -41,6 +40,11 @@ from sqlalchemy.exc import DBAPIError
 
 from .config import MlflowConfig
 from .errors import RunError
+
+try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+except ImportError:
+    _tracking_store_registry = None
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,8 @@ def check_tracking_uri(cfg: MlflowConfig) -> None:
             f"{instead} (`mlflow migrate-filestore` moves old runs into a database)"
         )
     try:
-        _tracking_store_registry.get_store_builder(uri)  # MLflow's own table of schemes, plugins included
+        if _tracking_store_registry is not None:  # without it, Tracker warns when it cannot connect
+            _tracking_store_registry.get_store_builder(uri)
     except UnsupportedModelRegistryStoreURIException:
         raise RunError(f"{asked}: MLflow {mlflow.__version__} knows no store at {scheme}://; {instead}") from None
     if scheme in ("http", "https") and not urlparse(uri).hostname:
