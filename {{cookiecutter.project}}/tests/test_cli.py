@@ -214,6 +214,20 @@ def user_namespaces_work() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(probe, capture_output=True).returncode == 0
 
 
+def on_a_small_disk(project, disk, script: str) -> subprocess.CompletedProcess:
+    """Runs `script` where `$DISK` is a small tmpfs of its own (a mount namespace needs no root),
+    so a full disk fails writes with the kernel's own ENOSPC."""
+    disk.mkdir()
+    env = {**os.environ, "DISK": str(disk), "PYTHON": sys.executable}
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=project, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+small_disk = pytest.mark.skipif(not user_namespaces_work(), reason="needs unprivileged user and mount namespaces")
+
+
 FILL_THE_DISK_MID_RUN = """
 set -u
 mount -t tmpfs -o size=8m tmpfs "$DISK"
@@ -230,16 +244,11 @@ ls "$DISK/demo"
 """
 
 
-@pytest.mark.skipif(not user_namespaces_work(), reason="needs unprivileged user and mount namespaces for a small disk")
+@small_disk
 def test_a_disk_that_fills_up_mid_run_keeps_training_then_fails_naming_the_newest_checkpoint(project, tmp_path):
-    """A real tmpfs, filled up by another writer after the first save: ENOSPC from the kernel."""
+    """A real tmpfs, filled up by another writer after the first save."""
     disk = tmp_path / "disk"
-    disk.mkdir()
-    env = {**os.environ, "DISK": str(disk), "PYTHON": sys.executable}
-    result = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", FILL_THE_DISK_MID_RUN],
-        cwd=project, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    result = on_a_small_disk(project, disk, FILL_THE_DISK_MID_RUN)
     assert "exit 2" in result.stdout, result.stderr
     on_disk = result.stdout.split("exit 2", 1)[1].split()
     output = (result.stdout + result.stderr).splitlines()  # Hydra logs to stdout, errors go to stderr
@@ -274,15 +283,10 @@ echo "exit $?"
 """
 
 
-@pytest.mark.skipif(not user_namespaces_work(), reason="needs unprivileged user and mount namespaces for a small disk")
+@small_disk
 def test_a_full_disk_is_found_before_training_in_one_line(project, tmp_path):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    env = {**os.environ, "DISK": str(disk), "PYTHON": sys.executable}
-    result = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", FULL_DISK_AT_START],
-        cwd=project, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    result = on_a_small_disk(project, disk, FULL_DISK_AT_START)
     assert "exit 2" in result.stdout, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: cannot write checkpoints to {disk / 'demo'} (No space left on device); free space or fix its "
