@@ -44,11 +44,24 @@ def measure(name: str, model: nn.Module, folder: Path, repeats: int) -> str:
     model(torch.randn(2, model[0].in_features)).sum().backward()
     optimizer.step()  # AdamW state exists only after a step
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    # The small parts of a real checkpoint (counters, RNG, probe, config), empty: `load` checks
-    # that they are there; their size is nothing beside the weights.
-    small = {key: (kind[0] if isinstance(kind, tuple) else kind)() for key, kind in checkpoints.STRUCTURE.items()}
-    small.update({key: dict.fromkeys(parts, 0) for key, parts in checkpoints.PARTS.items()})
-    ours = {**small, "format_version": checkpoints.FORMAT_VERSION, **state}
+    # The small parts of a real checkpoint, which `load` checks are there; beside the weights
+    # their size is nothing.
+    small = {
+        "format_version": checkpoints.FORMAT_VERSION,
+        "step": 1,
+        "data_position": {"epoch": 0, "batch": 1},
+        "optimizer_name": "adamw",
+        "scheduler": {"last_epoch": 1},
+        "scaler": {},
+        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "probe": {"indices": torch.arange(256), "loss": 0.5},
+        "mlflow_run_id": None,
+        "config": {"scheduler": {}, "trainer": {}},
+        "device": {"type": "cpu"},
+        "amp": {},
+        "versions": {},
+    }
+    ours = {**small, **state}
     home, bare = folder / "home", folder / "bare.pt"
 
     def restore(loaded: dict) -> None:
