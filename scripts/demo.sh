@@ -12,7 +12,8 @@ cookiecutter --no-input --overwrite-if-exists -o demo .
 python -m pip install -q --no-deps --no-build-isolation -e demo/my-trainer
 
 cd demo/my-trainer
-python run.py device=cpu trainer.max_steps=200
+# The first leg stops halfway through a 400-step schedule, as a preempted job would.
+python run.py device=cpu trainer.max_steps=200 scheduler.total_steps=400
 python run.py device=cpu trainer.max_steps=400 resume=last
 
 cat <<'MSG'
