@@ -27,6 +27,7 @@ ANSWERS = [pytest.param(({}, "auto", False), id="defaults")] + [
     for device, ipex in itertools.product(DEVICES, (False, True))
 ]
 DEFAULT_PACKAGE = "my_trainer"
+TEMPLATE = Path(__file__).resolve().parents[1] / "{{cookiecutter.project}}"
 JINJA = re.compile(r"\{\{|\{%|\{#")
 # cookiecutter.json copies these verbatim (_copy_without_render): GitHub Actions uses ${{ }}.
 VERBATIM = Path(".github", "workflows")
@@ -89,6 +90,27 @@ def test_no_file_is_empty_except_py_typed(baked: tuple[Path, str, bool]) -> None
         if path.name != "py.typed" and not path.read_bytes().strip()
     ]
     assert empty == []
+
+
+def test_the_readme_renders_every_heading_as_a_heading(baked: tuple[Path, str, bool]) -> None:
+    """Whitespace control in the template's Jinja can glue a heading to the line before it, or
+    leave a code fence open, and then everything after renders as text or code."""
+    project, _, ipex = baked
+    template = (TEMPLATE / "README.md").read_text(encoding="utf-8")
+    expected = [line for line in template.splitlines() if line.startswith("## ")]
+    if not ipex:
+        expected.remove("## Intel Extension for PyTorch (opt-in)")
+    lines = (project / "README.md").read_text(encoding="utf-8").splitlines()
+    headings, in_code = [], False
+    for number, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif line.startswith("## ") and not in_code:
+            glued = number > 0 and lines[number - 1] != ""
+            assert not glued, f"{line!r} is glued to the line before it"
+            headings.append(line)
+    assert not in_code, "a code fence is never closed"
+    assert headings == expected
 
 
 def test_config_defaults_list_picks_the_chosen_device(baked: tuple[Path, str, bool]) -> None:

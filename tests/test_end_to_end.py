@@ -1,4 +1,5 @@
-"""The default bake is a working project: it installs, passes its own suite and lints clean."""
+"""The default bake is a working project: it installs, passes its own suite, lints clean, and
+trains and resumes its second model from the command line."""
 
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 TIMEOUT_S = 2400
 
 
-def run(command: list[str], cwd: Path) -> None:
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run a command in the bake; on failure show its output, which is the only diagnosis."""
     result = subprocess.run(
         command, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
@@ -20,6 +21,7 @@ def run(command: list[str], cwd: Path) -> None:
         pytest.fail(
             f"`{' '.join(command)}` exited {result.returncode}\n{result.stdout}\n{result.stderr}"
         )
+    return result
 
 
 @pytest.mark.slow
@@ -33,3 +35,15 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project)
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
+    # The second model, a class and a YAML file only, from the command line: half of its schedule,
+    # then a resume that the continuity check finds exact.
+    cnn = [
+        sys.executable,
+        "run.py",
+        "model=cnn",
+        "scheduler.total_steps=40",
+        "mlflow.enabled=false",
+    ]
+    run([*cnn, "trainer.max_steps=20"], cwd=project)
+    resumed = run([*cnn, "trainer.max_steps=40", "resume=last"], cwd=project)
+    assert "resumed at step 20 on cpu" in resumed.stdout and "(ok)" in resumed.stdout

@@ -19,20 +19,19 @@ from {{cookiecutter.package}}.errors import RunError
 
 
 def state(step: int) -> dict:
-    """A complete checkpoint, as train.save writes one, with weights that tell steps apart."""
+    """A complete checkpoint, as state.save writes one, with weights that tell steps apart."""
     return {
         "format_version": checkpoints.FORMAT_VERSION,
         "step": step,
-        "data_position": {"epoch": 0, "batch": step},
         "model": {"weights": torch.full((64, 64), float(step))},
         "optimizer": {"state": {}, "param_groups": []},
-        "optimizer_name": "adamw",
         "scheduler": {"last_epoch": step},
         "scaler": {},
-        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "position": {"epoch": 0, "batch": step},
         "probe": {"indices": torch.arange(4), "loss": 0.5},
-        "mlflow_run_id": None,
-        "config": {"scheduler": {}, "trainer": {}},
+        "tracker": {"run_id": None},
+        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "config": {"optimizer": {}, "scheduler": {}, "trainer": {}},
         "device": {"type": "cpu", "name": "cpu"},
         "amp": {"enabled": False, "dtype": "bfloat16"},
         "versions": {},
@@ -153,8 +152,19 @@ def test_a_malicious_pickle_is_refused_and_its_code_never_runs(tmp_path):
 def test_a_checkpoint_of_another_format_is_refused(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"model": {}}, path)
-    with pytest.raises(CheckpointError, match="has format None; this project reads format 1"):
+    with pytest.raises(CheckpointError, match="has format None; this project reads format 2"):
         checkpoints.load(path)
+
+
+def test_a_checkpoint_from_before_components_by_target_is_refused_naming_its_format(tmp_path, caplog):
+    """Format 1 laid the parts out otherwise (data_position, optimizer_name, mlflow_run_id)."""
+    old = {key: value for key, value in state(10).items() if key not in ("position", "tracker")}
+    torch.save({**old, "format_version": 1, "data_position": {"epoch": 0, "batch": 10}}, tmp_path / "step_00000010.pt")
+    with pytest.raises(CheckpointError, match=r"has format 1; this project reads format 2: resume it with the version"):
+        checkpoints.load(tmp_path / "step_00000010.pt")
+    with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="holds checkpoints, but none loads"):
+        checkpoints.find("last", tmp_path)
+    assert "has format 1" in caplog.text
 
 
 def test_resume_last_without_checkpoints_names_where_it_looked(tmp_path):
@@ -206,15 +216,14 @@ def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (lambda s: {"format_version": 1, "step": 5}, "data_position is missing; model is missing"),
+        (lambda s: {"format_version": 2, "step": 5}, "config is missing; device is missing"),
         (lambda s: {key: value for key, value in s.items() if key != "rng"}, "rng is missing"),
+        (lambda s: {**s, "tracker": "abc"}, "tracker is a str"),
         (lambda s: {**s, "step": "5"}, "step is a str"),
         (lambda s: {**s, "step": -1}, "step=-1 is not a count"),
-        (lambda s: {**s, "data_position": {**s["data_position"], "extra": 1}}, "data_position has unknown keys extra"),
         (lambda s: {**s, "probe": {"indices": s["probe"]["indices"]}}, "probe.loss is missing"),
-        (lambda s: {**s, "probe": {**s["probe"], "loss": "x"}}, "probe.loss is a str"),
+        (lambda s: {**s, "position": {}}, "position.epoch is missing; position.batch is missing"),
         (lambda s: {**s, "device": {}}, "device.type is missing"),
-        (lambda s: {**s, "config": {}}, "config.scheduler is missing; config.trainer is missing"),
         (lambda s: {**s, "optimizer": {}}, "optimizer.state is missing; optimizer.param_groups is missing"),
         (lambda s: {**s, "scheduler": {}}, "scheduler.last_epoch is missing"),
         (lambda s: {**s, "model": {**s["model"], "head.bias": 1}}, "model holds non-tensors at head.bias"),
@@ -241,7 +250,7 @@ def test_a_claim_held_by_another_process_is_refused_naming_it_and_kill_9_frees_i
     with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path):
         pass
     assert str(raised.value).startswith(f"{tmp_path} is in use by PID {holder.pid} on {socket.gethostname()}, started ")
-    assert str(raised.value).endswith("or train separately with experiment=<another name>")
+    assert str(raised.value).endswith("or train separately with name=<another name>")
     holder.kill()
     holder.wait()
     with checkpoints.claim(tmp_path):

@@ -12,7 +12,6 @@ from torch import nn
 from {{cookiecutter.package}}.config import DeviceConfig
 from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, resolve_device, set_cpu_threads
 from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.optimizers import build_optimizer
 from {{cookiecutter.package}}.train import train
 
 META = torch.device("meta")
@@ -95,7 +94,7 @@ def test_a_device_flag_of_false_is_not_read_as_true(make_cfg, fake_accelerators)
 def test_the_missing_device_fails_before_anything_is_built(make_cfg, fake_accelerators, monkeypatch):
     fake_accelerators()
     built = []
-    monkeypatch.setattr("{{cookiecutter.package}}.train.build_data", lambda *args: built.append(args))
+    monkeypatch.setattr("{{cookiecutter.package}}.components.build", lambda *args, **runtime: built.append(args))
     with pytest.raises(RunError, match="device=xpu was asked for"):
         train(make_cfg("device=xpu"))
     assert built == []
@@ -105,22 +104,24 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
 
 
-def trained_optimizer_state(optimizer_name: str = "adamw") -> dict:
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def trained_optimizer_state() -> dict:
     """Optimizer state after two CPU steps, as a checkpoint would carry it."""
     model = small_model()
-    cfg = OmegaConf.create({"name": optimizer_name, "lr": 0.1, "weight_decay": 0.0, "betas": None, "fused": None})
-    cfg.momentum, cfg.nesterov = 0.9, False
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(model)
     for _ in range(2):
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def test_restore_after_the_move_puts_optimizer_state_on_the_device():
     saved = trained_optimizer_state()
     model = small_model().to(META)
-    optimizer = build_optimizer(saved["config"], model)
+    optimizer = build_optimizer(model)
     optimizer.load_state_dict(saved["optimizer"])
     audit_placement(META, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
     devices = {value.device.type for state in optimizer.state.values() for key, value in state.items() if key != "step"}
@@ -130,7 +131,7 @@ def test_restore_after_the_move_puts_optimizer_state_on_the_device():
 def test_restore_before_the_move_is_caught_and_each_tensor_named():
     saved = trained_optimizer_state()
     model = small_model()
-    optimizer = build_optimizer(saved["config"], model)
+    optimizer = build_optimizer(model)
     optimizer.load_state_dict(saved["optimizer"])  # the bug: state is cast to the CPU here
     model.to(META)
     with pytest.raises(RunError) as raised:

@@ -1,5 +1,5 @@
 """What can go wrong, and what happens: a loss that stops being a number, a disk that fills up,
-a second run on the same experiment, a folder that cannot take checkpoints, a schedule stretched
+a second run with the same name, a folder that cannot take checkpoints, a schedule stretched
 by a resume. In each case nothing already saved is lost, and the run says so in one line."""
 
 import logging
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import hold, losses
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import checkpoints, components
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.errors import RunError
 
@@ -118,7 +118,7 @@ def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg
     with caplog.at_level(logging.WARNING), pytest.raises(RunError) as raised:
         recipe.train(make_cfg(QUIET, *EVERY_5, "trainer.on_nonfinite=warn"))
     assert "the loss is nan at step 7; trainer.on_nonfinite=warn, and training goes on" in caplog.text
-    assert str(raised.value).startswith("the model is no longer finite at step 10 (body.0.weight, ")
+    assert str(raised.value).startswith("the model is no longer finite at step 10 (body.1.weight, ")
     assert f"nothing is saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}" in str(
         raised.value
     )
@@ -183,13 +183,13 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
         f"saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}; free space or fix the "
         f"folder, then continue with resume=last"
     )
-    run_id = checkpoints.newest_valid(checkpoint_dir)[1]["mlflow_run_id"]
+    run_id = checkpoints.newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"
 
 
 def test_a_run_on_a_home_that_another_run_holds_stops_before_building_anything(make_cfg, checkpoint_dir, monkeypatch):
     built = []
-    monkeypatch.setattr(recipe, "build_data", lambda *args: built.append(args))
+    monkeypatch.setattr(components, "build", lambda *args, **runtime: built.append(args))
     holder = hold(checkpoint_dir)
     try:
         with pytest.raises(RunError, match=f"^{checkpoint_dir} is in use by PID {holder.pid} on "):

@@ -10,6 +10,8 @@ import yaml
 from conftest import run_cli, start
 from mlflow import MlflowClient
 
+from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job
+
 pytestmark = pytest.mark.slow
 
 COMMON = ["trainer.max_steps=200", "checkpoint.every_n_steps=20"]
@@ -22,6 +24,7 @@ LAUNCHED = [
     for lr in ("0.001", "0.003")
 ]
 JOBS = sorted(LAUNCHED)
+OPTIMIZERS = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}
 
 
 def sweep_runs(project, experiment: str = "demo") -> tuple:
@@ -41,12 +44,26 @@ def check_sweep(project, result, experiment: str = "demo") -> dict:
     for name, child in children.items():
         assert child.info.status == "FINISHED"
         overrides = dict(pair.split("=") for pair in name.split(","))
-        assert child.data.params["optimizer.name"] == overrides["optimizer"]
+        assert child.data.params["optimizer._target_"] == OPTIMIZERS[overrides["optimizer"]]
         assert float(child.data.params["optimizer.lr"]) == float(overrides["optimizer.lr"])
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     assert all(job in table for job in JOBS) and "| FINISHED " in table
     assert "sweep summary" in result.stdout + result.stderr
     return children
+
+
+@pytest.mark.parametrize("metric", ["val/loss", "val/accuracy"])
+def test_a_job_trains_in_its_own_home_and_child_run_and_returns_its_optimized_metric(make_cfg, tmp_path, metric):
+    given = []
+    result = {"val/loss": 0.5, "val/accuracy": 0.9}
+    value = Job("optimizer=sgd", "parent-run", tmp_path).run(
+        lambda cfg: given.append(cfg) or result, make_cfg(f"optimized_metric={metric}")
+    )
+    assert value == result[metric]
+    (cfg,) = given
+    assert cfg.checkpoint.dir.endswith("/checkpoints/optimizer=sgd")
+    assert (cfg.mlflow.run_name, cfg.mlflow.parent_run_id) == ("optimizer=sgd", "parent-run")
+    assert (tmp_path / RESULT_FILE).exists()
 
 
 def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(project):
@@ -74,9 +91,9 @@ def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
 
 
 def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_same_losses(project):
-    reference = check_sweep(project, run_cli(project, *SWEEP, "experiment=reference", timeout=600), "reference")
+    reference = check_sweep(project, run_cli(project, *SWEEP, "name=reference", timeout=600), "reference")
 
-    process = start(project, *SWEEP, "experiment=interrupted")
+    process = start(project, *SWEEP, "name=interrupted")
     second_job = project / "checkpoints" / "interrupted" / LAUNCHED[1]
     while not (second_job / "latest").exists():  # the first job is done, the second has saved
         assert process.poll() is None, process.communicate()
@@ -88,7 +105,7 @@ def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_s
     assert interrupted_parent.info.status == "KILLED"
     assert sorted(started) == sorted(LAUNCHED[:2])
 
-    rerun = run_cli(project, *SWEEP, "experiment=interrupted", "resume=auto", timeout=600)
+    rerun = run_cli(project, *SWEEP, "name=interrupted", "resume=auto", timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("interrupted").experiment_id], "tags.resumes = '1'")
@@ -151,14 +168,22 @@ def test_a_sweep_with_a_tracking_uri_mlflow_cannot_open_stops_before_any_job_in_
     assert not (project / "checkpoints").exists()
 
 
-def test_a_search_sweep_minimizes_the_final_validation_loss(project):
+def test_a_search_sweep_optimizes_the_chosen_metric(project):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[search]'")
-    result = run_cli(
-        project, "-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.max_steps=30", timeout=600
-    )
+    search = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.max_steps=30"]
+    maximize = ["optimized_metric=val/accuracy", "hydra.sweeper.direction=maximize"]
+    result = run_cli(project, *search, *maximize, timeout=600)
     assert result.returncode == 0, result.stderr
     _, parent, children = sweep_runs(project)
     assert parent.info.status == "FINISHED" and len(children) == 3
     (results,) = (project / "multirun").glob("*/*/optimization_results.yaml")
     best = yaml.safe_load(results.read_text())["best_value"]
-    assert best == min(child.data.metrics["val/loss"] for child in children.values())
+    assert best == max(child.data.metrics["val/accuracy"] for child in children.values())
+
+
+def test_a_named_experiment_sweeps_what_its_file_says(project):
+    result = run_cli(project, "-m", "experiment=compare_optimizers", "trainer.max_steps=10", timeout=600)
+    assert result.returncode == 0, result.stderr
+    _, parent, children = sweep_runs(project, "compare-optimizers")
+    assert parent.info.status == "FINISHED"
+    assert sorted(child.data.params["optimizer._target_"] for child in children.values()) == sorted(OPTIMIZERS.values())

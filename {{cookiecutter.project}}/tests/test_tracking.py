@@ -31,7 +31,7 @@ def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cf
     summary = recipe.train(make_cfg("trainer.max_steps=40", "trainer.log_every_n_steps=5", "optimizer=sgd"))
     run = client.get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["optimizer.name"] == "sgd" and run.data.params["trainer.max_steps"] == "40"
+    assert run.data.params["optimizer._target_"] == "torch.optim.SGD" and run.data.params["trainer.max_steps"] == "40"
     assert run.data.params["model.hidden_sizes"] == "[128, 64]"
     tags = run.data.tags
     assert (tags["device"], tags["device.type"], tags["device.index"], tags["amp"]) == ("cpu", "cpu", "0", "off")
@@ -41,7 +41,7 @@ def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cf
     assert sorted(losses(client, run.info.run_id, "checkpoint/loss")) == [10, 20, 30, 40]
     assert sorted(losses(client, run.info.run_id, "val/accuracy")) == [20, 40]
     config = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text())
-    assert config["optimizer"]["name"] == "sgd" and config["trainer"]["max_steps"] == 40
+    assert config["optimizer"]["_target_"] == "torch.optim.SGD" and config["trainer"]["max_steps"] == 40
 
 
 def test_a_resume_continues_the_run_and_logs_the_loss_at_save_beside_the_loss_now(make_cfg, client, caplog):
@@ -104,7 +104,7 @@ def test_a_run_that_fails_is_marked_failed_not_left_running(make_cfg, client, ch
     checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
     with pytest.raises(recipe.RunError):
         recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error"))
-    assert client.get_run(saved["mlflow_run_id"]).info.status == "FAILED"
+    assert client.get_run(saved["tracker"]["run_id"]).info.status == "FAILED"
 
 
 def test_system_metrics_are_logged_when_asked(make_cfg, client, monkeypatch):
@@ -288,7 +288,7 @@ def test_replay_into_a_store_without_the_run_says_so_in_one_line(tmp_path):
 
 def test_a_sender_that_died_leaves_the_end_of_the_run_to_the_trainer(make_cfg, client, tmp_path):
     tracker = Tracker(make_cfg().mlflow, tmp_path)
-    tracker.start({"seed": "0"}, {}, "seed: 0\n")
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
     tracker._sender._child.kill()
     tracker._sender._child.wait()
     tracker.finish("KILLED")
@@ -351,7 +351,7 @@ def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(proj
     assert "finished at step 8000" in stdout + stderr
     assert "Traceback" not in stderr and "SQLAlchemy database error" not in stderr
     assert "MLflow is not taking metrics (attempt to write a readonly database); training goes on" in stderr
-    run_id = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]["mlflow_run_id"]
+    run_id = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
     assert f"could not mark MLflow run {run_id} FINISHED (attempt to write a readonly database)" in stderr
 
 

@@ -9,15 +9,20 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import checkpoints, components
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.data import Position, batches, build_loader
+from {{cookiecutter.package}}.devices import to_device
 from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.model import build_model
+from {{cookiecutter.package}}.evaluation import evaluate
 from {{cookiecutter.package}}.precision import build_scaler
 from {{cookiecutter.package}}.seeding import seed_everything
 
 QUIET = "mlflow.enabled=false"
+
+
+def digits_model(cfg) -> torch.nn.Module:
+    return components.build("model", cfg.model, input_shape=(1, 8, 8), num_classes=10)
 
 
 def weights_after(make_cfg, checkpoint_dir, *overrides: str) -> dict[str, torch.Tensor]:
@@ -33,7 +38,7 @@ def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_
     halves = weights_after(make_cfg, checkpoint_dir, *same, "data.batch_size=32", "trainer.grad_accum_steps=2")
     for key in full:
         torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
-    position = checkpoints.newest_valid(checkpoint_dir)[1]["data_position"]
+    position = checkpoints.newest_valid(checkpoint_dir)[1]["position"]
     assert position == {"epoch": 0, "batch": 10}, "five steps of two batches each"
 
 
@@ -42,13 +47,14 @@ def test_gradient_clipping_bounds_the_update_to_the_true_gradient_norm(make_cfg,
     """With plain SGD one step moves the weights by lr * clipped gradient. Under fp16 the
     gradients must be unscaled before clipping, or the step would be ~65,536 times too small."""
     cfg = make_cfg(
-        QUIET, f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.lr=0.5", "scheduler=constant",
+        QUIET, f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=false", "optimizer.lr=0.5",
+        "scheduler=constant",
         "trainer.max_steps=1", "trainer.grad_clip=0.01",
     )  # fmt: skip
     recipe.train(cfg)
     after = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
     seed_everything(cfg.seed)  # the recipe's first draws build the model: rebuild its start
-    before = build_model(cfg.model, 64, 10).state_dict()
+    before = digits_model(cfg).state_dict()
     step = torch.cat([(after[key] - before[key]).flatten() for key in before])
     assert 0.9 * 0.01 <= step.norm().item() / 0.5 <= 1.001 * 0.01
 
@@ -105,16 +111,27 @@ def test_only_fp16_turns_the_grad_scaler_on(make_cfg, amp, scaled):
     assert build_scaler(make_cfg(f"amp={amp}").amp, torch.device("cpu")).is_enabled() is scaled
 
 
-def test_channels_last_puts_image_batches_in_nhwc_and_leaves_other_tensors_alone(make_cfg):
-    run = SimpleNamespace(cfg=make_cfg("trainer.channels_last=true"), device=torch.device("cpu"))
-    images = recipe.to_device(torch.randn(2, 3, 8, 8), run)
+def test_channels_last_puts_image_batches_in_nhwc_and_leaves_other_tensors_alone():
+    images = to_device(torch.randn(2, 3, 8, 8), torch.device("cpu"), non_blocking=False, channels_last=True)
     assert images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
-    assert recipe.to_device(torch.randn(2, 64), run).is_contiguous()
+    assert to_device(torch.randn(2, 64), torch.device("cpu"), non_blocking=False, channels_last=True).is_contiguous()
+
+
+def test_evaluation_places_its_batches_as_training_does(make_cfg, checkpoint_dir):
+    """The CNN sees NHWC batches in validation too, under trainer.channels_last=true."""
+    cfg = make_cfg(QUIET, "model=cnn", "trainer.channels_last=true")
+    run, _ = recipe.setup(cfg, torch.device("cpu"), checkpoint_dir)
+    layouts = []
+    run.model.register_forward_pre_hook(
+        lambda module, inputs: layouts.append(inputs[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    results = evaluate(run, run.val_loader)
+    assert layouts and all(layouts) and set(results) == {"val/loss", "val/accuracy"}
 
 
 @pytest.mark.slow
 def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.compile=true", "trainer.max_steps=10"))
     keys = set(checkpoints.newest_valid(checkpoint_dir)[1]["model"])
-    assert keys == set(build_model(make_cfg().model, 64, 10).state_dict())
+    assert keys == set(digits_model(make_cfg()).state_dict())
     assert recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "resume=last"))["step"] == 20

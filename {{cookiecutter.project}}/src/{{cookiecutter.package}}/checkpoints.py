@@ -8,7 +8,7 @@ truncated copy, a bad disk), the CRC-32 that torch.save stores for every record 
 checks them all, which torch.load alone does not.
 
 A run holds its checkpoint folder (its home) for its whole life with an OS lock, so a second run
-on the same experiment stops at once instead of overwriting the first; and it deletes only files
+with the same name stops at once instead of overwriting the first; and it deletes only files
 whose names it writes itself.
 """
 
@@ -37,7 +37,7 @@ except ImportError:  # Windows: no POSIX locks
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: before components by _target_ (not read: its parts were laid out otherwise)
 POINTER = "latest"
 LOCK = "run.lock"
 NAME = re.compile(r"step_(\d{8,})\.pt")  # as path_of writes them: a user's step_7.pt is not ours
@@ -98,7 +98,7 @@ def _lock(lock: BinaryIO, home: Path) -> bool:
         holder = lock.read().decode(errors="replace").strip() or "another run (starting up)"
         raise RunError(
             f"{home} is in use by {holder}; wait for that run to end (or stop it), "
-            f"or train separately with experiment=<another name>"
+            f"or train separately with name=<another name>"
         ) from None
     return True
 
@@ -195,68 +195,52 @@ def load(path: Path) -> dict:
         raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}: resume it with the "
+            f"version of the project that wrote it, or start a new run with name=<new name>"
+        )
     if problems := _structure_problems(state):
         raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
     return state
 
 
-# What train.save writes and the restore reads, by dotted path, checked at load: a checkpoint
-# with a part missing or malformed is named in one line (and skipped by resume=last) instead of
-# failing mid-restore with a KeyError.
-STRUCTURE = {
-    "step": int,
-    "data_position": dict,
-    "data_position.epoch": int,
-    "data_position.batch": int,
-    "model": dict,
-    "optimizer": dict,
-    "optimizer.state": dict,
-    "optimizer.param_groups": list,
-    "optimizer_name": str,
-    "scheduler": dict,
-    "scheduler.last_epoch": int,
-    "scaler": dict,
-    "rng": dict,
-    "rng.python": tuple,
-    "rng.numpy": dict,
-    "rng.torch": torch.Tensor,
-    "probe": dict,
-    "probe.indices": torch.Tensor,
-    "probe.loss": float,
-    "mlflow_run_id": (str, type(None)),
-    "config": dict,
-    "config.scheduler": dict,
-    "config.trainer": dict,
-    "device": dict,
-    "device.type": str,
-    "amp": dict,
-    "versions": dict,
+# What a checkpoint holds, declared once. Each part is the state_dict of the run's attribute of
+# that name (train.Run), Stateful as torch.distributed.checkpoint takes them, with the keys it must
+# hold. A restore loads them in this order: the model before the optimizer, whose state follows
+# the parameters' device, and the random state last, so that nothing after it draws. META
+# describes the run that saved.
+PARTS = {
+    "model": (),
+    "optimizer": ("state", "param_groups"),
+    "scheduler": ("last_epoch",),
+    "scaler": (),  # empty when the scaler is off
+    "position": ("epoch", "batch"),
+    "probe": ("indices", "loss"),
+    "tracker": ("run_id",),
+    "rng": ("python", "numpy", "torch"),
 }
-COUNTERS = ("step", "data_position.epoch", "data_position.batch")
+META = {"format_version": int, "step": int, "config": dict, "device": dict, "amp": dict, "versions": dict}
 
 
 def _structure_problems(state: dict) -> list[str]:
-    problems, found = [], {}
-    for path, kind in STRUCTURE.items():
-        parent, _, key = path.rpartition(".")
-        if parent and parent not in found:
-            continue  # its parent is missing or malformed, and said so already
-        node = found[parent] if parent else state
-        if key not in node:
-            problems.append(f"{path} is missing")
-        elif not isinstance(node[key], kind):
-            problems.append(f"{path} is a {type(node[key]).__name__}")
-        else:
-            found[path] = node[key]
+    """What is missing or malformed, checked at load: such a checkpoint is named in one line (and
+    skipped by resume=last) instead of failing mid-restore. The values inside a part are the
+    part's own to check, when it loads them."""
+    problems = [f"{key} is missing" for key in (*META, *PARTS) if key not in state]
+    expected = {**META, **dict.fromkeys(PARTS, dict)}
     problems += [
-        f"{path}={found[path]!r} is not a count"
-        for path in COUNTERS
-        if path in found and (type(found[path]) is not int or found[path] < 0)
+        f"{key} is a {type(state[key]).__name__}"
+        for key, kind in expected.items()
+        if key in state and not isinstance(state[key], kind)
     ]
-    if "data_position" in found and (extra := sorted(found["data_position"].keys() - {"epoch", "batch"})):
-        problems.append(f"data_position has unknown keys {', '.join(map(str, extra))}")
-    if "model" in found and (odd := [key for key, value in found["model"].items() if not torch.is_tensor(value)]):
+    if problems:
+        return problems
+    problems += [f"{part}.{key} is missing" for part, keys in PARTS.items() for key in keys if key not in state[part]]
+    if type(state["step"]) is not int or state["step"] < 0:
+        problems.append(f"step={state['step']!r} is not a count")
+    if not isinstance(state["device"].get("type"), str):
+        problems.append("device.type is missing")
+    if odd := [key for key, value in state["model"].items() if not torch.is_tensor(value)]:
         problems.append(f"model holds non-tensors at {', '.join(map(str, odd[:3]))}")
     return problems
 

@@ -1,9 +1,11 @@
-"""Typed schemas for `configs/`: one dataclass per config group.
+"""Typed schemas for `configs/`.
 
-The YAML files choose the values; these classes fix the keys and their types. Hydra merges every
-YAML file into its schema, so a misspelt key, `optimizer.lr=abc` or `amp.enabled=maybe` stops the
-run at composition time, before any work starts, with Hydra's own message. What Hydra lets through
-(a key added with `+`, a value out of range) `check_values` refuses before the run starts.
+Two kinds of config group. The run's own settings (device, amp, checkpoint, mlflow, trainer) have a
+dataclass each: Hydra merges the YAML files into them, so a misspelt key or `amp.enabled=maybe`
+stops the run at composition, with Hydra's message. The components (data, model, loss, metrics,
+optimizer, scheduler) name what builds them with `_target_`, and their schema is its signature:
+`check_values` checks them against it (components.py) before anything is built, as it checks
+what Hydra lets through (a key added with `+`, a value out of range).
 """
 
 import difflib
@@ -11,11 +13,13 @@ import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from . import components
 from .errors import RunError
 
 
@@ -40,27 +44,6 @@ class AmpConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    name: str = MISSING  # adamw | sgd
-    lr: float = MISSING
-    weight_decay: float = 0.0
-    betas: list[float] | None = None  # adamw
-    fused: bool | None = None  # adamw; None lets torch choose
-    momentum: float | None = None  # sgd
-    nesterov: bool = False  # sgd
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = MISSING  # constant | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # cosine: the final lr as a fraction of optimizer.lr
-    # The step at which the schedule ends: its own setting, so that a run extended with a larger
-    # trainer.max_steps can keep the schedule it was trained on (see the README).
-    total_steps: int = MISSING
-
-
-@dataclass
 class ContinuityConfig:
     probe_size: int = MISSING  # validation samples in the fixed probe batch
     rtol: float = MISSING  # allowed relative drift when the device type or AMP dtype changed
@@ -76,27 +59,13 @@ class CheckpointConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING
-    batch_size: int = MISSING
-    val_fraction: float = MISSING
-    num_workers: int = 0
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    hidden_sizes: list[int] = MISSING
-    dropout: float = 0.0
-
-
-@dataclass
 class MlflowConfig:
     enabled: bool = MISSING
     tracking_uri: str = MISSING
     experiment_name: str = MISSING
     run_name: str | None = None
     system_metrics: bool = False  # CPU, memory, disk, network and GPU as system/* metrics (needs psutil)
+    parent_run_id: str | None = None  # nests the run under another: a sweep's jobs under the sweep's run
 
 
 @dataclass
@@ -116,16 +85,20 @@ class TrainerConfig:
 class Config:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    experiment: str = MISSING
+    # Components, each a `_target_` and its settings, checked against its signature (components.py).
+    data: Any = MISSING
+    model: Any = MISSING
+    loss: Any = MISSING
+    metrics: Any = MISSING  # {name: component}, each logged as val/<name>
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    name: str = MISSING  # names the checkpoint home and the MLflow experiment
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
+    optimized_metric: str = MISSING  # what a sweep job returns, for a search to minimize
 
 
 def project_root() -> str:
@@ -139,32 +112,35 @@ def project_root() -> str:
 
 def check_values(cfg: Config) -> None:
     """What types cannot say, checked before any work starts: unknown keys, ranges, closed
-    choices and a safe experiment name. Every problem found is named, in one line."""
-    problems = unknown_keys(cfg, Config)
+    choices, a safe name, and every component's settings. Every problem found is named, in one line."""
+    problems = unknown_keys(cfg, Config) + components.problems(cfg)
     for key, rule, explained in RULES:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{key}={value} must be a finite number")
-        elif value is not None and not rule(value):
+        elif isinstance(value, int | float) and not rule(value):  # a value of the wrong type is named by its schema
             problems.append(f"{key}={value} {explained}")
     for key, choices in CHOICES.items():
         if (value := OmegaConf.select(cfg, key)) not in choices:
             problems.append(f"{key}={value} must be one of {', '.join(choices)}")
-    if any(size < 1 for size in cfg.model.hidden_sizes):
-        problems.append(f"model.hidden_sizes={list(cfg.model.hidden_sizes)} must hold sizes of at least 1")
     if cfg.device.type == "cpu" and cfg.device.index != 0:
         problems.append(f"device.index={cfg.device.index} means nothing on device=cpu; leave device.index out")
-    if not EXPERIMENT.fullmatch(cfg.experiment) or {".", ".."} & set(cfg.experiment.split("/")):
+    if not NAME.fullmatch(cfg.name) or {".", ".."} & set(cfg.name.split("/")):
         problems.append(
-            f"experiment={cfg.experiment!r} must be a plain name (letters, digits, '-', '_', '.', and '/' "
+            f"name={cfg.name!r} must be a plain name (letters, digits, '-', '_', '.', and '/' "
             f"for nesting; no '.' or '..' part, not absolute), because it names a folder under checkpoints/; "
             f"to keep checkpoints elsewhere, set checkpoint.dir=<path>"
+        )
+    metrics = cfg.metrics if isinstance(cfg.metrics, DictConfig) else {}
+    if cfg.optimized_metric not in (known := ["val/loss", "train/loss", *(f"val/{name}" for name in metrics)]):
+        problems.append(
+            f"optimized_metric={cfg.optimized_metric} is not a metric of this run; one of {', '.join(known)}"
         )
     if problems:
         raise RunError("; ".join(problems))
 
 
-EXPERIMENT = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 CHOICES = {
     "checkpoint.continuity.on_mismatch": ("warn", "error"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
@@ -178,15 +154,11 @@ RULES = [
         "checkpoint.continuity.probe_size", "data.batch_size",
     )),
     *((key, lambda v: v >= 0, "must not be negative") for key in (
-        "trainer.max_steps", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum",
-        "scheduler.warmup_steps", "scheduler.total_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",
+        "trainer.max_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
-    ("model.dropout", lambda v: 0 <= v < 1, "must be at least 0 and below 1"),
-    ("scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "must be from 0 to 1"),
-    ("optimizer.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two values from 0 to below 1"),
-    ("data.val_fraction", lambda v: 0 < v < 1, "must be above 0 and below 1: both training and validation need samples"),
 ]  # fmt: skip
+# A component's own ranges (optimizer.lr=-1, model.dropout=1.5) are its constructor's to refuse.
 
 
 def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
@@ -199,7 +171,7 @@ def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
             near = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {prefix}{near[0]}?" if near else f"known here: {', '.join(known)}"
             found.append(f"{prefix}{key} is not a setting ({hint})")
-        elif is_dataclass(known[key]):
+        elif is_dataclass(known[key]):  # components (typed Any) are checked by components.py
             found += unknown_keys(node[key], known[key], f"{prefix}{key}.")
     return found
 

@@ -1,60 +1,46 @@
-"""The demo data and the sampler that lets a run resume mid-epoch.
+"""The runner's side of the data: the order in which samples are drawn, which lets a run resume
+mid-epoch, and the loaders. The datasets themselves come from the `data` component (datasets.py).
 
-`build_data` is yours to replace (return your own datasets); keep `EpochSampler` and `batches`:
-they are what make a resumed run see exactly the batches an unbroken run would have seen.
+`EpochSampler` and `batches` are what make a resumed run see exactly the batches an unbroken run
+would have seen.
 """
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
-from sklearn.datasets import load_digits
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import DataConfig, DeviceConfig
+from .config import DeviceConfig
 from .errors import RunError
-
-# The split belongs to the dataset, not to the run: changing `seed` must not move samples
-# between training and validation.
-SPLIT_SEED = 0
 
 
 @dataclass
 class Data:
+    """What a `data` component returns: the datasets, and what a model needs to know of them."""
+
     train: Dataset
-    val: TensorDataset
-    num_features: int
+    val: Dataset
+    input_shape: tuple[int, ...]  # of one sample's input
     num_classes: int
 
 
 @dataclass
 class Position:
-    """Where the data stream stands: `batch` batches of epoch `epoch` have been consumed."""
+    """Where the data stream stands: `batch` batches of epoch `epoch` have been consumed. A
+    checkpoint part (state_dict, load_state_dict)."""
 
     epoch: int = 0
     batch: int = 0
 
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
 
-def build_data(cfg: DataConfig) -> Data:
-    if cfg.name != "digits":
-        raise RunError(f"data.name={cfg.name!r} has no builder; add one in data.py (see the README)")
-    digits = load_digits()
-    inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixel values are 0..16
-    targets = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    num_val = int(len(inputs) * cfg.val_fraction)
-    if not 0 < num_val < len(inputs):
-        raise RunError(
-            f"data.val_fraction={cfg.val_fraction} leaves {num_val} of {len(inputs)} samples for validation; "
-            f"both training and validation need some: try data.val_fraction=0.2"
-        )
-    val, train = order[:num_val], order[num_val:]
-    return Data(
-        train=TensorDataset(inputs[train], targets[train]),
-        val=TensorDataset(inputs[val], targets[val]),
-        num_features=inputs.shape[1],
-        num_classes=int(targets.max()) + 1,
-    )
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if set(state) != {"epoch", "batch"} or any(type(value) is not int or value < 0 for value in state.values()):
+            raise ValueError(f"a data position is two counts, epoch and batch; found {state}")
+        self.epoch, self.batch = state["epoch"], state["batch"]
 
 
 class EpochSampler(Sampler[int]):
@@ -81,7 +67,8 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
-def build_loader(dataset: Dataset, cfg: DataConfig, device: DeviceConfig, seed: int) -> DataLoader:
+def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int) -> DataLoader:
+    """The training loader: `data.batch_size` samples a batch, in the order of `EpochSampler`."""
     if len(dataset) < cfg.batch_size:
         raise RunError(
             f"data.batch_size={cfg.batch_size} is larger than the {len(dataset)} training samples, so no "
@@ -92,13 +79,25 @@ def build_loader(dataset: Dataset, cfg: DataConfig, device: DeviceConfig, seed: 
         batch_size=cfg.batch_size,
         sampler=EpochSampler(len(dataset), seed),
         drop_last=True,  # equal batches: a position is a batch count
-        num_workers=cfg.num_workers,
+        num_workers=cfg.get("num_workers", 0),
         pin_memory=device.pin_memory,
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
         # draws worker seeds from the global torch generator, and a resumed run's dropout masks
         # would drift from the unbroken run's. Torch seeds each worker's random, NumPy and torch
         # generators from it: workers draw apart, and draw the same in the same epoch of any run
         # that starts that epoch (a mid-epoch resume gives the rest of the epoch fresh draws).
+        generator=torch.Generator(),
+    )
+
+
+def evaluation_loader(dataset: Dataset, batch_size: int, num_workers: int, device: DeviceConfig) -> DataLoader:
+    """In order, every sample once. Its own generator: a loader without one draws its seed from
+    the global generator, and evaluating would then shift the random numbers of training."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=device.pin_memory,
         generator=torch.Generator(),
     )
 

@@ -119,3 +119,9 @@ def audit_placement(
 
 def _on(tensor: torch.Tensor, device: torch.device) -> bool:
     return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool, channels_last: bool) -> torch.Tensor:
+    """A batch to the device, as the model is laid out: NHWC for images under channels_last."""
+    memory_format = torch.channels_last if channels_last and tensor.dim() == 4 else torch.preserve_format
+    return tensor.to(device, non_blocking=non_blocking, memory_format=memory_format)

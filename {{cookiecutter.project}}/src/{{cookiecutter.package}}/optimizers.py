@@ -1,60 +1,64 @@
-"""Optimizer and learning-rate schedule, built from config on parameters that are already on
-their device, and restored so that the config decides hyperparameters and the checkpoint
-carries state."""
+"""Learning-rate schedules, the components of the `scheduler` group, and how a restore keeps the
+configured hyperparameters: the config decides hyperparameters, the checkpoint carries state.
+
+Optimizers need no code here: configs/optimizer/ names torch's own with `_target_`, and the run
+gives them the model's parameters once they are on the device.
+"""
 
 import math
 
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
-
-from .config import OptimizerConfig, SchedulerConfig
-from .errors import RunError
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 
-def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.name == "adamw":
-        betas = tuple(cfg.betas or (0.9, 0.999))
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, fused=cfg.fused)
-    if cfg.name == "sgd":
-        momentum = cfg.momentum or 0.0
-        return torch.optim.SGD(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=momentum, nesterov=cfg.nesterov and momentum > 0
-        )
-    raise RunError(f"optimizer.name={cfg.name!r} has no builder; use optimizer=adamw or optimizer=sgd")
+def constant(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> LambdaLR:
+    """`optimizer.lr` throughout, after a linear warm-up."""
+    return _schedule(optimizer, warmup_steps, lambda progress: 1.0)
 
 
-def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
-    """A multiplier of `optimizer.lr` that is a pure function of the step: linear warm-up, then
-    constant or a cosine decay to `min_lr_ratio` at `total_steps`, and that floor after it."""
-    if cfg.name not in ("constant", "cosine"):
-        raise RunError(f"scheduler.name={cfg.name!r} has no builder; use scheduler=constant or scheduler=cosine")
-    warmup = cfg.warmup_steps
+def cosine(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    """A linear warm-up, then a cosine decay to `min_lr_ratio` of `optimizer.lr` at `total_steps`,
+    and that floor after it."""
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio={min_lr_ratio} must be from 0 to 1")
+    if total_steps < 0:
+        raise ValueError(f"total_steps={total_steps} must not be negative")
+    span = max(total_steps - warmup_steps, 1)
+    return _schedule(
+        optimizer,
+        warmup_steps,
+        lambda after: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(after / span, 1.0))),
+    )
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if cfg.name == "constant":
-            return 1.0
-        progress = min((step - warmup) / max(cfg.total_steps - warmup, 1), 1.0)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return LambdaLR(optimizer, factor)
+def _schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, decay) -> LambdaLR:
+    """A multiplier of the lr that is a pure function of the step, so a resume recomputes it."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps} must not be negative")
+    return LambdaLR(
+        optimizer, lambda step: (step + 1) / warmup_steps if step < warmup_steps else decay(step - warmup_steps)
+    )
 
 
-def restore_optimization(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, saved: dict) -> None:
-    """Loads optimizer and scheduler state, then re-applies this run's hyperparameters.
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The configured hyperparameters of each param group, taken before a restore replaces them."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
-    `Optimizer.load_state_dict` would otherwise bring back the saved lr, weight decay and flags,
-    and a changed `optimizer.lr` on resume would be reported but silently ignored. It also casts
-    the saved state to the device of the parameters *now*, which is why this runs after the move.
+
+def keep_configured(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, configured: list[dict]) -> None:
+    """After a restore: this run's hyperparameters again, and the lr of this run's schedule at the
+    restored step.
+
+    `Optimizer.load_state_dict` brings back the saved lr, weight decay and flags: without this, a
+    changed `optimizer.lr` on resume would be reported but silently ignored. A schedule that is not
+    a function of the step (not a LambdaLR) keeps the restored lr.
     """
-    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    scheduler.base_lrs = [group["initial_lr"] for group in configured]
-    schedule = zip(optimizer.param_groups, configured, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-    for group, wanted, base_lr, factor in schedule:
+    for group, wanted in zip(optimizer.param_groups, configured, strict=True):
         group.update({key: value for key, value in wanted.items() if key != "lr"})
+    if not isinstance(scheduler, LambdaLR):
+        return
+    scheduler.base_lrs = [wanted["initial_lr"] for wanted in configured]
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -19,7 +19,20 @@ def autocast(amp: AmpConfig, device: torch.device) -> AbstractContextManager:
     return torch.autocast(device.type, dtype=DTYPES[amp.dtype], enabled=amp.enabled)
 
 
-def build_scaler(amp: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
+class Scaler(torch.amp.GradScaler):
+    """The GradScaler, restored from whatever the checkpoint holds: a run that turns fp16 on
+    starts a fresh scaler, one that turns it off skips the saved state, and each says so."""
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.is_enabled() and not state:
+            log.info("the checkpoint has no GradScaler state (amp was not fp16): starting a fresh GradScaler")
+        elif not self.is_enabled() and state:
+            log.info("amp is no longer fp16: the checkpoint's GradScaler state is not needed and is skipped")
+        elif state:
+            super().load_state_dict(state)
+
+
+def build_scaler(amp: AmpConfig, device: torch.device) -> Scaler:
     """Checks that this torch can autocast to `amp.dtype` on this device, then builds the scaler:
     on for float16 only."""
     if amp.dtype not in DTYPES:
@@ -33,7 +46,7 @@ def build_scaler(amp: AmpConfig, device: torch.device) -> torch.amp.GradScaler:
     if scaled and device.type == "xpu" and not torch.xpu.get_device_properties(device).has_fp64:
         # The scaler's inf checks and unscaling need float64, which some Arc GPUs lack.
         log.warning(f"{device} has no float64, which the fp16 GradScaler needs; amp=bf16 needs no scaler")
-    return torch.amp.GradScaler(device.type, enabled=scaled)
+    return Scaler(device.type, enabled=scaled)
 
 
 def _autocast_works(amp: AmpConfig, device: torch.device) -> bool:

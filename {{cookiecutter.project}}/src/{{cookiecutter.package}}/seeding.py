@@ -13,6 +13,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every cuda and xpu device
 
 
+class RandomState:
+    """Every random-number generator of the process, as a checkpoint part (state_dict,
+    load_state_dict). The device's generators travel only between devices of the same type."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict:
+        return capture_rng(self.device)
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng(state, self.device)
+
+
 def capture_rng(device: torch.device) -> dict:
     """Every generator's state, as plain values that `torch.load(weights_only=True)` accepts."""
     numpy_state = np.random.get_state(legacy=False)

@@ -36,17 +36,9 @@ log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = "mlflow_parent_run_id"
 RESULT_FILE = "job_result.json"
-COLUMNS = (
-    "job",
-    "status",
-    "train/loss",
-    "val/loss",
-    "val/accuracy",
-    "train/samples_per_s",
-    "continuity",
-    "run_id",
-    "error",
-)
+# The table's columns; every val/<metric> the jobs report goes between these two groups.
+FIRST_COLUMNS = ("job", "status", "train/loss")
+LAST_COLUMNS = ("train/samples_per_s", "continuity", "run_id", "error")
 
 
 @dataclass
@@ -57,11 +49,15 @@ class Job:
     parent_run_id: str | None
     output_dir: Path
 
-    def run(self, train: Callable[[DictConfig, "Job"], dict], cfg: DictConfig) -> float | None:
-        """Trains, records the result, and returns the final val/loss: the value a search
-        sweeper minimizes. An error is recorded, not raised, so the other jobs still run."""
+    def run(self, train: Callable[[DictConfig], dict], cfg: DictConfig) -> float | None:
+        """Trains in the job's own checkpoint folder and MLflow child run, records the result,
+        and returns the job's `optimized_metric`: the value a search sweeper minimizes. An error is
+        recorded, not raised, so the other jobs still run."""
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / self.key)
+        cfg.mlflow.run_name = cfg.mlflow.run_name or self.key
+        cfg.mlflow.parent_run_id = self.parent_run_id
         try:
-            result = {"status": "FINISHED", **train(cfg, self)}
+            result = {"status": "FINISHED", **train(cfg)}
         except RunError as error:
             log.error(f"error: {error}")
             result = {"status": "FAILED", "error": str(error)}
@@ -69,7 +65,7 @@ class Job:
             log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
         (self.output_dir / RESULT_FILE).write_text(json.dumps({"job": self.key, **result}))
-        return result.get("val/loss")
+        return result.get(cfg.optimized_metric)
 
 
 def current_job() -> Job | None:
@@ -165,8 +161,10 @@ def summary_table(results: list[dict]) -> str:
             return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
         return str(value)
 
-    rows = [COLUMNS, *([cell(result, column) for column in COLUMNS] for result in results)]
-    widths = [max(len(row[index]) for row in rows) for index in range(len(COLUMNS))]
+    scores = sorted({key for result in results for key in result if key.startswith("val/")})
+    columns = (*FIRST_COLUMNS, *scores, *LAST_COLUMNS)
+    rows = [columns, *([cell(result, column) for column in columns] for result in results)]
+    widths = [max(len(row[index]) for row in rows) for index in range(len(columns))]
     lines = [
         "| " + " | ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)) + " |" for row in rows
     ]

@@ -97,9 +97,7 @@ class Tracker:
     """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`, or once
     the store has proved unreachable at the start."""
 
-    def __init__(
-        self, cfg: MlflowConfig, spill_dir: Path, parent_run_id: str | None = None, run_name: str | None = None
-    ) -> None:
+    def __init__(self, cfg: MlflowConfig, spill_dir: Path) -> None:
         if cfg.enabled and cfg.system_metrics and importlib.util.find_spec("psutil") is None:
             raise RunError(
                 "mlflow.system_metrics=true needs psutil: pip install -e '.[system-metrics]', "
@@ -107,28 +105,35 @@ class Tracker:
             )
         self.run_id: str | None = None
         self._cfg, self._spill_dir = cfg, spill_dir
-        # A sweep job's run is a child of the sweep's run, named by the job's overrides.
-        self._sweep_tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
-        self._run_name = cfg.run_name or run_name
+        self._parent_tags = {"mlflow.parentRunId": cfg.parent_run_id} if cfg.parent_run_id else {}
+        self._resumed_run_id: str | None = None  # the run a restored checkpoint was written by
         self._resumes = 0
         self._client: MlflowClient | None = None
         self._sender: _Handover | None = None
         self._monitor = None
 
-    def start(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
-        """A new run, with the flattened config as params and the resolved config as an artifact."""
-        self._open(self._create, params, tags, config_yaml)
+    def state_dict(self) -> dict:
+        """A checkpoint part: the run to continue after a resume."""
+        return {"run_id": self.run_id}
 
-    def reattach(
-        self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
-    ) -> None:
-        """Continues the run a checkpoint was written by, so its curves stay one line in the UI.
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state.get("run_id"), str | None):
+            raise ValueError(f"an MLflow run id is a string; found {state.get('run_id')!r}")
+        self._resumed_run_id = state["run_id"]
+
+    def open(self, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: Path | None) -> None:
+        """Starts a run, with the flattened config as params and the resolved config as an
+        artifact; or, resuming from `checkpoint`, continues the run that wrote it, so its curves
+        stay one line in the UI.
 
         Params are immutable in MLflow: what changed since the run began goes into tags named
         `resume.<n>.<key>`. A run missing from this store (a copied checkpoint, a new store)
         gets a new run, tagged with the checkpoint it continues.
         """
-        self._open(self._continue, run_id, params, tags, config_yaml, checkpoint)
+        if checkpoint is None:
+            self._open(self._create, params, tags, config_yaml)
+        else:
+            self._open(self._continue, self._resumed_run_id, params, tags, config_yaml, str(checkpoint))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queues metrics; returns at once."""
@@ -183,7 +188,7 @@ class Tracker:
 
     def _create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
         experiment = experiment_id(self._client, self._cfg)
-        run = self._client.create_run(experiment, run_name=self._run_name, tags={**tags, **self._sweep_tags})
+        run = self._client.create_run(experiment, run_name=self._cfg.run_name, tags={**tags, **self._parent_tags})
         self.run_id = run.info.run_id
         self._log_params(params)
         self._client.log_text(self.run_id, config_yaml, "config.yaml")
@@ -207,7 +212,7 @@ class Tracker:
         changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
         self._log_params({key: value for key, value in params.items() if key not in old})
         resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
-        self.set_tags({**tags, **self._sweep_tags, **changed, **resume_tags})
+        self.set_tags({**tags, **self._parent_tags, **changed, **resume_tags})
         self._start_logging(resumed=True)
 
     def _start_logging(self, resumed: bool) -> None:

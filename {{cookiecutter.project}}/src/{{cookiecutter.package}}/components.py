@@ -1,0 +1,195 @@
+"""Components by `_target_`: the data, model, loss, metrics, optimizer and scheduler are each a
+class (or a function) that its YAML file names, built with `hydra.utils.instantiate`.
+
+A component's schema is its signature. Before anything is built, every setting is checked against
+the parameters of its `_target_`: a key it does not take is refused with the nearest name, a value
+of the wrong type with the type it needs, a parameter without default that no setting gives is
+named. So adding a model is one class with type-annotated parameters and one YAML file. What only
+the run knows (the parameters to optimize, the data's input shape) is passed at build time, to the
+parameters that ask for it by name (RUNTIME).
+"""
+
+import collections.abc
+import dataclasses
+import difflib
+import inspect
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import RunError
+
+# Per group, what the runner passes at build time to a constructor that names it.
+RUNTIME = {
+    "data": (),
+    "model": ("input_shape", "num_classes"),  # from the data
+    "loss": (),
+    "metrics": ("num_classes",),
+    "optimizer": ("params",),  # the model's trainable parameters, already on the device
+    "scheduler": ("optimizer",),
+}
+# Keys of the `data` group that the runner's DataLoader takes, not its `_target_` (batch_size is required).
+LOADER = {"batch_size": int, "num_workers": int}
+METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def build(group: str, node: DictConfig, **runtime: object) -> Any:
+    """The component `node` describes, given those of `runtime` that its constructor names. A
+    constructor that refuses a value (ValueError, or RunError) stops the run in one line."""
+    settings = _settings(node, group)
+    target = get_object(node._target_)
+    named = _parameters(target)
+    given = {key: value for key, value in runtime.items() if key in named}
+    try:
+        return instantiate({"_target_": node._target_, **settings}, _convert_="all", **given)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ValueError | RunError):
+            raise RunError(f"{group} ({node._target_}): {_first_line(cause)}") from None
+        raise
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every setting of every component that its `_target_` would refuse, in one line each."""
+    found = []
+    for group in RUNTIME:
+        node = cfg[group]
+        if group != "metrics":
+            found += _check(group, node, RUNTIME[group])
+            continue
+        if not isinstance(node, DictConfig):
+            found.append("metrics must map names to components, e.g. metrics.accuracy._target_=...")
+            continue
+        for name, metric in node.items():
+            if not METRIC_NAME.fullmatch(str(name)):
+                found.append(f"metrics.{name}: a metric's name is logged as val/<name>; use letters, digits and _")
+            found += _check(f"metrics.{name}", metric, RUNTIME[group])
+    return found
+
+
+def _check(path: str, node: object, runtime: tuple[str, ...]) -> list[str]:
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return [f"{path} names no _target_; give the class or function that builds it (see configs/)"]
+    try:
+        target = get_object(node._target_)
+    except Exception as error:  # whatever the import raised: the name is what the user can fix
+        return [f"{path}._target_={node._target_} cannot be imported ({_first_line(error.__cause__ or error)})"]
+    named = _parameters(target)
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in named.values())
+    hints = _type_hints(target)
+    settings = _settings(node, path)
+    where = f"{node._target_}"
+    found = []
+    if path == "data":
+        found += _check_types(path, {key: node[key] for key in LOADER if key in node}, LOADER)
+        found += (
+            []
+            if "batch_size" in node
+            else ["data.batch_size is required by the loader; set it in the data's YAML file"]
+        )
+    for key in settings:
+        if key in runtime:
+            found.append(f"{path}.{key} is given by the run when {path} is built; remove it from the config")
+        elif key not in named and not takes_any:
+            options = [name for name in named if name not in runtime]
+            near = difflib.get_close_matches(key, options, n=1)
+            hint = f"did you mean {path}.{near[0]}?" if near else f"it takes: {', '.join(options) or 'nothing'}"
+            found.append(f"{path}.{key} is not a setting of {where} ({hint})")
+    found += _check_types(path, {key: settings[key] for key in settings if key in named}, hints)
+    found += [
+        f"{path}.{key}={value} must be a finite number"
+        for key, value in settings.items()
+        if isinstance(value, float) and not math.isfinite(value)
+    ]
+    found += [
+        f"{path}.{name} is required by {where}; set it in its YAML file or with {path}.{name}=<value>"
+        for name, parameter in named.items()
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and name not in settings
+        and name not in runtime
+    ]
+    return found
+
+
+def _check_types(path: str, values: dict[str, object], hints: dict[str, object]) -> list[str]:
+    """Each value against its parameter's annotation, as OmegaConf would type a dataclass field."""
+    found = []
+    for key, value in values.items():
+        kind = _config_type(hints.get(key, inspect.Parameter.empty))
+        if kind is Any:
+            continue
+        field = dataclasses.field(default=MISSING)
+        try:
+            schema = OmegaConf.structured(dataclasses.make_dataclass("Setting", [("value", kind, field)]))
+        except OmegaConfBaseException:  # a type OmegaConf cannot hold: not checked
+            continue
+        try:
+            OmegaConf.merge(schema, {"value": value})
+        except OmegaConfBaseException:
+            found.append(f"{path}.{key}={value!r} is not {_type_name(kind)}")
+    return found
+
+
+def _config_type(annotation: object) -> object:
+    """The annotation as a config can hold it: Tensor dropped from unions (`float | Tensor` is a
+    float in YAML), tuples and sequences as lists; Any for what YAML cannot say."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return Any
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        known = [kind for arg in args if arg is not type(None) and (kind := _config_type(arg)) is not Any]
+        if len(known) != 1:
+            return Any
+        return known[0] | None if type(None) in args else known[0]
+    if origin in (list, tuple, collections.abc.Sequence):
+        items = {_config_type(arg) for arg in args if arg is not Ellipsis}
+        return list[items.pop()] if len(items) == 1 else list
+    if origin is dict:
+        return dict[str, _config_type(args[1])] if args else dict
+    if annotation in (int, float, bool, str, Path):
+        return annotation
+    return Any
+
+
+def _type_name(kind: object) -> str:
+    if type(None) in typing.get_args(kind):
+        (inner,) = (arg for arg in typing.get_args(kind) if arg is not type(None))
+        return f"{_type_name(inner)} or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, f"a {kind}")
+
+
+def _parameters(target: object) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin): anything goes
+        return {"kwargs": inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)}
+
+
+def _type_hints(target: object) -> dict[str, object]:
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # unresolvable annotations leave the values unchecked, not the run stopped
+        return {}
+
+
+def _settings(node: DictConfig, group: str) -> dict[str, object]:
+    """The keys that go to the constructor: not Hydra's own (`_target_`; `_partial_`, which
+    lightning-hydra-template writes for optimizers, is not needed, since the run passes what it
+    would defer), and for `data` not the loader's."""
+    reserved = LOADER if group == "data" else ()
+    values = OmegaConf.to_container(node, resolve=True)
+    return {key: value for key, value in values.items() if not key.startswith("_") and key not in reserved}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,49 @@
+"""Validation: the loss and the metrics over a dataset, placed as training places its batches
+(`channels_last`, `non_blocking`). It draws no random numbers, so it cannot perturb a resume.
+
+Metrics are torchmetrics objects (update per batch, compute at the end), so that they reduce
+across processes once training runs on several.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+from torchmetrics import Metric
+from torchmetrics.aggregation import MeanMetric
+
+from . import components
+from .precision import autocast
+
+if TYPE_CHECKING:
+    from .train import Run
+
+
+def build_metrics(cfg: DictConfig, num_classes: int, device: torch.device) -> dict[str, Metric]:
+    """The `metrics` group, each logged as `val/<name>`, on the device."""
+    return {name: components.build("metrics", node, num_classes=num_classes).to(device) for name, node in cfg.items()}
+
+
+@torch.no_grad()
+def evaluate(run: Run, loader: DataLoader) -> dict[str, float]:
+    """`val/loss`, the mean loss per sample, and `val/<name>` for each metric."""
+    run.model.eval()
+    # NaN kept, not dropped with a warning (torchmetrics' default): a NaN loss must show.
+    loss = MeanMetric(nan_strategy="disable").to(run.device)
+    for inputs, targets in loader:
+        inputs, targets = run.place(inputs), run.place(targets)
+        with autocast(run.cfg.amp, run.device):
+            outputs = run.model(inputs)
+        outputs = outputs.float()
+        loss.update(run.criterion(outputs, targets), weight=len(targets))
+        for metric in run.metrics.values():
+            metric.update(outputs, targets)
+    run.model.train()
+    results = {"val/loss": loss.compute().item()}
+    for name, metric in run.metrics.items():
+        results[f"val/{name}"] = metric.compute().item()
+        metric.reset()
+    return results

@@ -1,0 +1,58 @@
+"""What a run records about itself: every setting, where and how it really ran, what code ran.
+MLflow shows it (params, tags, the config artifact); a checkpoint keeps the config and versions."""
+
+import platform
+import subprocess
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .devices import describe
+
+
+def record(cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, str], str]:
+    """What a run records of itself: every setting as a param, where and how it really ran as
+    tags (what the MLflow UI needs to compare runs), and the resolved config."""
+    tags = {
+        "device": str(device),
+        "device.type": device.type,
+        "device.index": str(device.index if device.index is not None else 0),
+        "device.name": describe(device),
+        "amp": cfg.amp.dtype if cfg.amp.enabled else "off",
+        "torch": str(torch.__version__),
+{%- if cookiecutter.ipex %}
+        "ipex": str(cfg.device.ipex).lower(),
+{%- endif %}
+    }
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    return flat_params(cfg), tags, OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flat_params(cfg: DictConfig) -> dict[str, str]:
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+def git_commit() -> str | None:
+    """The commit of the project being run, when it is a git checkout: what exactly ran."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def library_versions() -> dict[str, str]:
+    # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses.
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__}

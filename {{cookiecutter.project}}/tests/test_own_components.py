@@ -1,0 +1,128 @@
+"""A model and a dataset the template does not know, written into a package of their own, train
+and resume through config alone: one class or function each, and one YAML file each."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import losses
+from mlflow import MlflowClient
+
+# Samples around four centres. The training set draws fresh noise each time a sample is read, as
+# an augmentation would, from the global generator; it is not a TensorDataset.
+TOYS = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from {{cookiecutter.package}}.data import Data
+
+
+class Noisy(Dataset):
+    def __init__(self, centres, labels, noise):
+        self.centres, self.labels, self.noise = centres, labels, noise
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        label = self.labels[index]
+        return self.centres[label] + self.noise * torch.randn(self.centres.shape[1]), label
+
+
+class Fixed(Dataset):
+    def __init__(self, inputs, labels):
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.labels[index]
+
+
+def blobs(size: int, dim: int, noise: float = 0.5) -> Data:
+    generator = torch.Generator().manual_seed(0)
+    centres = 2 * torch.randn(4, dim, generator=generator)
+    labels = torch.randint(0, 4, (size,), generator=generator)
+    split = size // 4
+    val_inputs = centres[labels[:split]] + noise * torch.randn(split, dim, generator=generator)
+    return Data(
+        train=Noisy(centres, labels[split:], noise),
+        val=Fixed(val_inputs, labels[:split]),
+        input_shape=(dim,),
+        num_classes=4,
+    )
+
+
+class Bilinear(nn.Module):
+    def __init__(self, input_shape: list[int], num_classes: int, rank: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.u, self.v = nn.Linear(input_shape[0], rank), nn.Linear(input_shape[0], rank)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(rank, num_classes)
+
+    def forward(self, inputs):
+        return self.out(self.dropout(self.u(inputs) * self.v(inputs)))
+"""
+OWN = ["model=bilinear", "data=blobs", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100"]
+
+
+@pytest.fixture
+def own(project, tmp_path):
+    """The project, with the package `toys` beside it and a YAML file naming each new component."""
+    package = tmp_path / "packages" / "toys"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(TOYS)
+    (project / "configs" / "model" / "bilinear.yaml").write_text("_target_: toys.Bilinear\nrank: 8\ndropout: 0.1\n")
+    (project / "configs" / "data" / "blobs.yaml").write_text(
+        "_target_: toys.blobs\nsize: 512\ndim: 6\nbatch_size: 32\n"
+    )
+    return project, {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def run(own, *overrides: str) -> subprocess.CompletedProcess:
+    project, env = own
+    command = [sys.executable, "run.py", *OWN, *overrides]
+    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+
+def only_run(project, name: str):
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    return client, found
+
+
+@pytest.mark.slow
+def test_a_model_and_a_dataset_from_another_package_train_and_resume_bit_for_bit(own):
+    project, _ = own
+    reference = run(own, "trainer.max_steps=40", "name=reference")
+    assert reference.returncode == 0, reference.stderr
+    # Stopped mid-epoch (12 batches an epoch), halfway through the same 40-step schedule, then resumed.
+    first = run(own, "trainer.max_steps=20", "scheduler.total_steps=40")
+    resumed = run(own, "trainer.max_steps=40", "resume=last")
+    assert first.returncode == 0 and resumed.returncode == 0, first.stderr + resumed.stderr
+    assert "resumed at step 20 on cpu" in resumed.stdout and "(ok)" in resumed.stdout
+
+    client, reference_run = only_run(project, "reference")
+    _, resumed_run = only_run(project, "demo")
+    expected = losses(client, reference_run.info.run_id)
+    assert sorted(expected) == list(range(1, 41))
+    assert losses(client, resumed_run.info.run_id) == expected
+    assert resumed_run.data.params["model._target_"] == "toys.Bilinear"
+    assert resumed_run.data.metrics["val/accuracy"] == reference_run.data.metrics["val/accuracy"]
+
+
+@pytest.mark.slow
+def test_a_typo_in_a_new_models_own_setting_is_refused_naming_the_setting(own):
+    refused = run(own, "+model.rnak=3")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: model.rnak is not a setting of toys.Bilinear (did you mean model.rank?)"
+    ]
+    wrong_type = run(own, "model.dropout=high")
+    assert wrong_type.stderr.strip().splitlines()[-1] == "error: model.dropout='high' is not a number"
