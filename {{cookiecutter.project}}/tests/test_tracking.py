@@ -44,6 +44,17 @@ def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cf
     assert config["optimizer"]["_target_"] == "torch.optim.SGD" and config["trainer"]["max_steps"] == 40
 
 
+def test_a_run_records_only_the_settings_of_the_components_it_chose(make_cfg, client):
+    """Each option has its own settings: a CNN run has no MLP hidden sizes to show as `???`."""
+    run = client.get_run(recipe.train(make_cfg("model=cnn", "trainer.max_steps=10"))["run_id"])
+    models = {key: value for key, value in run.data.params.items() if key.startswith("model.")}
+    assert models == {
+        "model._target_": "{{cookiecutter.package}}.models.CNN",
+        "model.channels": "[16, 32]",
+        "model.dropout": "0.1",
+    }
+
+
 def test_a_resume_continues_the_run_and_logs_the_loss_at_save_beside_the_loss_now(make_cfg, client, caplog):
     first = recipe.train(make_cfg("trainer.max_steps=20"))
     with caplog.at_level(logging.INFO):
