@@ -119,6 +119,14 @@ def test_a_named_experiment_sets_what_its_file_says_over_the_defaults(make_cfg):
     assert make_cfg("experiment=cnn_digits", "name=mine").name == "mine"  # the command line still wins
 
 
+def test_an_interpolation_that_names_nothing_is_one_line_naming_the_setting(make_cfg):
+    with pytest.raises(RunError) as raised:
+        check_values(make_cfg("scheduler.total_steps=${trainer.max_stepz}"))
+    assert str(raised.value) == (
+        "scheduler.total_steps: Interpolation key 'trainer.max_stepz' not found; fix the interpolation it holds"
+    )
+
+
 def test_an_index_on_the_cpu_is_refused_but_auto_may_resolve_to_the_cpu_with_one(make_cfg):
     with pytest.raises(RunError, match="device.index=7 means nothing on device=cpu; leave device.index out"):
         check_values(make_cfg("device=cpu", "device.index=7"))

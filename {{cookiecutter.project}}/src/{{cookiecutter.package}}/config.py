@@ -18,6 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import components
 from .errors import RunError
@@ -113,6 +114,11 @@ def project_root() -> str:
 def check_values(cfg: Config) -> None:
     """What types cannot say, checked before any work starts: unknown keys, ranges, closed
     choices, a safe name, and every component's settings. Every problem found is named, in one line."""
+    try:  # Hydra resolves `${...}` only when a value is read: a reference to nothing fails here, not mid-run
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as error:
+        reason = str(error).splitlines()[0]
+        raise RunError(f"{error.full_key}: {reason}; fix the interpolation it holds") from None
     problems = unknown_keys(cfg, Config) + components.problems(cfg)
     for key, rule, explained in RULES:
         value = OmegaConf.select(cfg, key)
