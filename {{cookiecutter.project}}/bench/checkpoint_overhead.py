@@ -49,10 +49,10 @@ def measure(name: str, model: nn.Module, folder: Path, repeats: int) -> str:
     small = {
         "format_version": checkpoints.FORMAT_VERSION,
         "step": 1,
-        "position": {"epoch": 0, "batch": 1},
+        "position": {"epoch": 0, "sample": 64},
         "scheduler": {"last_epoch": 1},
         "scaler": {},
-        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "rng": {"ranks": [{"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()}]},
         "probe": {"indices": torch.arange(256), "loss": 0.5},
         "tracker": {"run_id": None},
         "config": {"optimizer": {}, "scheduler": {}, "trainer": {}},

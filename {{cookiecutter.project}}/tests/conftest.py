@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,17 @@ def run_cli(project: Path, *overrides: str, timeout: float = 180) -> subprocess.
     process = start(project, *overrides)
     stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def wait_for_a_save(home, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Returns once `process` has written a checkpoint: it is past start-up and training."""
+    pointer = home / "latest"
+    before = pointer.read_text() if pointer.exists() else None
+    deadline = time.monotonic() + timeout
+    while not pointer.exists() or pointer.read_text() == before:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
 
 
 HOLDER = """

@@ -27,10 +27,10 @@ def state(step: int) -> dict:
         "optimizer": {"state": {}, "param_groups": []},
         "scheduler": {"last_epoch": step},
         "scaler": {},
-        "position": {"epoch": 0, "batch": step},
+        "position": {"epoch": 0, "sample": 64 * step},
         "probe": {"indices": torch.arange(4), "loss": 0.5},
         "tracker": {"run_id": None},
-        "rng": {"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()},
+        "rng": {"ranks": [{"python": (3, (), None), "numpy": {}, "torch": torch.get_rng_state()}]},
         "config": {"optimizer": {}, "scheduler": {}, "trainer": {}},
         "device": {"type": "cpu", "name": "cpu"},
         "amp": {"enabled": False, "dtype": "bfloat16"},
@@ -152,7 +152,7 @@ def test_a_malicious_pickle_is_refused_and_its_code_never_runs(tmp_path):
 def test_a_checkpoint_of_another_format_is_refused(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"model": {}}, path)
-    with pytest.raises(CheckpointError, match="has format None; this project reads format 2"):
+    with pytest.raises(CheckpointError, match="has format None; this project reads formats 2 to 3"):
         checkpoints.load(path)
 
 
@@ -160,7 +160,9 @@ def test_a_checkpoint_from_before_components_by_target_is_refused_naming_its_for
     """Format 1 laid the parts out otherwise (data_position, optimizer_name, mlflow_run_id)."""
     old = {key: value for key, value in state(10).items() if key not in ("position", "tracker")}
     torch.save({**old, "format_version": 1, "data_position": {"epoch": 0, "batch": 10}}, tmp_path / "step_00000010.pt")
-    with pytest.raises(CheckpointError, match=r"has format 1; this project reads format 2: resume it with the version"):
+    with pytest.raises(
+        CheckpointError, match=r"has format 1; this project reads formats 2 to 3: resume it with the version"
+    ):
         checkpoints.load(tmp_path / "step_00000010.pt")
     with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="holds checkpoints, but none loads"):
         checkpoints.find("last", tmp_path)
@@ -222,7 +224,7 @@ def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
         (lambda s: {**s, "step": "5"}, "step is a str"),
         (lambda s: {**s, "step": -1}, "step=-1 is not a count"),
         (lambda s: {**s, "probe": {"indices": s["probe"]["indices"]}}, "probe.loss is missing"),
-        (lambda s: {**s, "position": {}}, "position.epoch is missing; position.batch is missing"),
+        (lambda s: {**s, "position": {}}, "position.epoch is missing; position.sample is missing"),
         (lambda s: {**s, "device": {}}, "device.type is missing"),
         (lambda s: {**s, "optimizer": {}}, "optimizer.state is missing; optimizer.param_groups is missing"),
         (lambda s: {**s, "scheduler": {}}, "scheduler.last_epoch is missing"),

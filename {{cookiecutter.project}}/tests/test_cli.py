@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import losses, run_cli, start
+from conftest import losses, run_cli, start, wait_for_a_save
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}} import checkpoints
@@ -89,17 +89,6 @@ def test_resume_last_with_nothing_saved_says_where_it_looked(project):
         f"error: resume=last found no valid checkpoint in {project / 'checkpoints' / 'demo'}; "
         f"train without resume first, or pass resume=auto to start fresh when there is none"
     )
-
-
-def wait_for_a_save(home, process: subprocess.Popen, timeout: float = 120) -> None:
-    """Returns once `process` has written a checkpoint: it is past start-up and training."""
-    pointer = home / "latest"
-    before = pointer.read_text() if pointer.exists() else None
-    deadline = time.monotonic() + timeout
-    while not pointer.exists() or pointer.read_text() == before:
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.01)
 
 
 def test_sigterm_saves_the_current_step_and_resume_last_continues_from_it(project):

@@ -22,7 +22,7 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu_with_its_state_placed_there(make_cf
     assert run.data.tags["device.type"] == gpu and run.data.tags["continuity"] == "ok"
     saved = checkpoints.newest_valid(checkpoint_dir)[1]
     assert saved["device"]["type"] == gpu and saved["step"] == 40
-    assert saved["rng"]["accelerator"]["type"] == gpu
+    assert saved["rng"]["ranks"][0]["accelerator"]["type"] == gpu
 
 
 @pytest.mark.parametrize("gpu", GPUS)

@@ -11,6 +11,7 @@ from conftest import losses
 
 from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
 
 # 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
@@ -69,7 +70,7 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
     assert stopped.value.code == 128 + signal.SIGTERM
     path, saved = checkpoints.newest_valid(checkpoint_dir)
     batches = STOP_AT * saved["config"]["trainer"]["grad_accum_steps"]
-    assert (saved["step"], saved["position"]) == (STOP_AT, {"epoch": batches // 22, "batch": batches % 22})
+    assert (saved["step"], saved["position"]) == (STOP_AT, {"epoch": batches // 22, "sample": 64 * (batches % 22)})
     monkeypatch.undo()
 
     resumed = recipe.train(make_cfg(*common, "resume=last"))
@@ -85,7 +86,7 @@ def test_setup_restores_after_the_move_so_every_tensor_lands_on_the_target_devic
     state follows the parameters to the device, and the audit in setup passes."""
     recipe.train(make_cfg(QUIET, f"model={model}", "trainer.max_steps=10"))
     meta = torch.device("meta")
-    run, (path, _) = recipe.setup(make_cfg(QUIET, f"model={model}", "resume=last"), meta, checkpoint_dir)
+    run, (path, _) = recipe.setup(make_cfg(QUIET, f"model={model}", "resume=last"), World(meta), checkpoint_dir)
     assert path.name == "step_00000010.pt" and run.step == 10
     states = [state for param in run.model.parameters() for state in run.optimizer.state[param].values()]
     assert states and {state.device for state in states if state.dim() > 0} == {meta}
@@ -190,3 +191,24 @@ def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_trai
         RunError, match=r"data \(.*digits\): val_fraction=0.0001 leaves 0 of 1797 samples for validation"
     ):
         recipe.train(make_cfg(QUIET, "data.val_fraction=0.0001"))
+
+
+def test_a_checkpoint_of_format_2_resumes_exactly_where_it_stopped(make_cfg, client, checkpoint_dir, tmp_path):
+    """Format 2 (one process) counted its position in batches and kept one random state."""
+    schedule = "scheduler.total_steps=40"  # the same lr at every step in both runs
+    reference = recipe.train(make_cfg(schedule, "trainer.max_steps=40", f"checkpoint.dir={tmp_path / 'reference'}"))
+    recipe.train(make_cfg(schedule, "trainer.max_steps=30"))  # saves at 10, 20 and 30: resume=last takes 30
+    path = checkpoints.path_of(checkpoint_dir, 30)
+    saved = checkpoints.load(path)
+    torch.save(
+        {
+            **saved,
+            "format_version": 2,
+            "position": {"epoch": saved["position"]["epoch"], "batch": saved["position"]["sample"] // 64},
+            "rng": saved["rng"]["ranks"][0],
+        },
+        path,
+    )
+    resumed = recipe.train(make_cfg(schedule, "trainer.max_steps=40", "resume=last"))
+    assert resumed["continuity"] == "ok"
+    assert losses(client, resumed["run_id"]) == losses(client, reference["run_id"])

@@ -13,6 +13,7 @@ from {{cookiecutter.package}} import checkpoints, components
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.data import Position, batches, build_loader
 from {{cookiecutter.package}}.devices import to_device
+from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.evaluation import evaluate
 from {{cookiecutter.package}}.precision import build_scaler
@@ -39,7 +40,7 @@ def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_
     for key in full:
         torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
     position = checkpoints.newest_valid(checkpoint_dir)[1]["position"]
-    assert position == {"epoch": 0, "batch": 10}, "five steps of two batches each"
+    assert position == {"epoch": 0, "sample": 320}, "five steps of two batches of 32 each"
 
 
 @pytest.mark.parametrize("amp", ["off", "fp16"])
@@ -73,7 +74,9 @@ def test_data_workers_draw_apart_and_an_epoch_draws_the_same_after_a_resume(make
     cfg = make_cfg("data.num_workers=2", "data.batch_size=8")
 
     def stream(epoch: int):
-        return batches(build_loader(Noise(), cfg.data, cfg.device, seed=0), Position(epoch=epoch))
+        return batches(
+            build_loader(Noise(), cfg.data, cfg.device, seed=0, world=World(torch.device("cpu"))), Position(epoch=epoch)
+        )
 
     def one_epoch(source) -> list[float]:
         return [value for _ in range(8) for value in next(source)[0].tolist()]
@@ -120,7 +123,7 @@ def test_channels_last_puts_image_batches_in_nhwc_and_leaves_other_tensors_alone
 def test_evaluation_places_its_batches_as_training_does(make_cfg, checkpoint_dir):
     """The CNN sees NHWC batches in validation too, under trainer.channels_last=true."""
     cfg = make_cfg(QUIET, "model=cnn", "trainer.channels_last=true")
-    run, _ = recipe.setup(cfg, torch.device("cpu"), checkpoint_dir)
+    run, _ = recipe.setup(cfg, World(torch.device("cpu")), checkpoint_dir)
     layouts = []
     run.model.register_forward_pre_hook(
         lambda module, inputs: layouts.append(inputs[0].is_contiguous(memory_format=torch.channels_last))

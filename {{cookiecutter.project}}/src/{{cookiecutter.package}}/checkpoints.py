@@ -37,7 +37,9 @@ except ImportError:  # Windows: no POSIX locks
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 1: before components by _target_ (not read: its parts were laid out otherwise)
+# 1: before components by _target_ (not read: its parts were laid out otherwise); 2: one process
+# (read, and upgraded on load: `upgrade_from_2`); 3: the data position in samples, RNG per process.
+FORMAT_VERSION = 3
 POINTER = "latest"
 LOCK = "run.lock"
 NAME = re.compile(r"step_(\d{8,})\.pt")  # as path_of writes them: a user's step_7.pt is not ours
@@ -193,10 +195,14 @@ def load(path: Path) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
+    if isinstance(state, dict) and state.get("format_version") == 2:
+        if problems := _structure_problems(state, FORMAT_2):
+            raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
+        state = upgrade_from_2(state)
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
-            f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}: resume it with the "
+            f"{path} has format {found!r}; this project reads formats 2 to {FORMAT_VERSION}: resume it with the "
             f"version of the project that wrote it, or start a new run with name=<new name>"
         )
     if problems := _structure_problems(state):
@@ -214,20 +220,33 @@ PARTS = {
     "optimizer": ("state", "param_groups"),
     "scheduler": ("last_epoch",),
     "scaler": (),  # empty when the scaler is off
-    "position": ("epoch", "batch"),
+    "position": ("epoch", "sample"),
     "probe": ("indices", "loss"),
     "tracker": ("run_id",),
-    "rng": ("python", "numpy", "torch"),
+    "rng": ("ranks",),
 }
+FORMAT_2 = {**PARTS, "position": ("epoch", "batch"), "rng": ("python", "numpy", "torch")}
 META = {"format_version": int, "step": int, "config": dict, "device": dict, "amp": dict, "versions": dict}
 
 
-def _structure_problems(state: dict) -> list[str]:
+def upgrade_from_2(state: dict) -> dict:
+    """A checkpoint of format 2 (one process) as format 3 would hold it: its position counted in
+    samples, its random state as that of process 0, with the generator of the device it used."""
+    batch_size = state["config"]["data"]["batch_size"]  # every run of format 2 had one
+    rng = dict(state["rng"])
+    if "accelerator" in rng:
+        states, index = rng["accelerator"]["states"], state["config"].get("device", {}).get("index", 0)
+        rng["accelerator"] = {"type": rng["accelerator"]["type"], "state": states[min(index, len(states) - 1)]}
+    position = {"epoch": state["position"]["epoch"], "sample": state["position"]["batch"] * batch_size}
+    return {**state, "format_version": 3, "position": position, "rng": {"ranks": [rng]}}
+
+
+def _structure_problems(state: dict, parts: dict = PARTS) -> list[str]:
     """What is missing or malformed, checked at load: such a checkpoint is named in one line (and
     skipped by resume=last) instead of failing mid-restore. The values inside a part are the
     part's own to check, when it loads them."""
-    problems = [f"{key} is missing" for key in (*META, *PARTS) if key not in state]
-    expected = {**META, **dict.fromkeys(PARTS, dict)}
+    problems = [f"{key} is missing" for key in (*META, *parts) if key not in state]
+    expected = {**META, **dict.fromkeys(parts, dict)}
     problems += [
         f"{key} is a {type(state[key]).__name__}"
         for key, kind in expected.items()
@@ -235,7 +254,7 @@ def _structure_problems(state: dict) -> list[str]:
     ]
     if problems:
         return problems
-    problems += [f"{part}.{key} is missing" for part, keys in PARTS.items() for key in keys if key not in state[part]]
+    problems += [f"{part}.{key} is missing" for part, keys in parts.items() for key in keys if key not in state[part]]
     if type(state["step"]) is not int or state["step"] < 0:
         problems.append(f"step={state['step']!r} is not a count")
     if not isinstance(state["device"].get("type"), str):

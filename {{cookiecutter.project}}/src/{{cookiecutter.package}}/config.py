@@ -1,6 +1,6 @@
 """Typed schemas for `configs/`.
 
-Two kinds of config group. The run's own settings (device, amp, checkpoint, mlflow, trainer) have a
+Two kinds of config group. The run's own settings (strategy, device, amp, checkpoint, mlflow, trainer) have a
 dataclass each: Hydra merges the YAML files into them, so a misspelt key or `amp.enabled=maybe`
 stops the run at composition, with Hydra's message. The components (data, model, loss, metrics,
 optimizer, scheduler) name what builds them with `_target_`, and their schema is its signature:
@@ -28,7 +28,7 @@ from .errors import RunError
 class DeviceConfig:
     type: str = MISSING  # cpu | cuda | xpu | auto
     index: int = 0
-    backend: str = MISSING  # torch.distributed backend for scale-out: gloo, nccl, xccl
+    backend: str | None = None  # of the process group under strategy=ddp; None: gloo, or nccl on cuda, xccl on xpu
     amp_dtype: str = MISSING  # the autocast dtype that suits the device: what amp=auto uses
     pin_memory: bool = False
     non_blocking: bool = False
@@ -83,7 +83,15 @@ class TrainerConfig:
 
 
 @dataclass
+class StrategyConfig:
+    type: str = MISSING  # single: one process | ddp: one per device, started by torchrun (distributed.py)
+    find_unused_parameters: bool = False  # ddp: for models whose forward skips some parameters
+    timeout_s: int = 1800  # how long a rank waits for the others at a collective step before failing
+
+
+@dataclass
 class Config:
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -148,6 +156,7 @@ def check_values(cfg: Config) -> None:
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 CHOICES = {
+    "strategy.type": ("single", "ddp"),
     "checkpoint.continuity.on_mismatch": ("warn", "error"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
 }
@@ -157,7 +166,7 @@ RULES = [
     *((key, lambda v: v >= 1, "must be at least 1") for key in (
         "trainer.log_every_n_steps", "trainer.val_every_n_steps", "trainer.grad_accum_steps",
         "trainer.nonfinite_patience", "checkpoint.every_n_steps", "checkpoint.keep_last",
-        "checkpoint.continuity.probe_size", "data.batch_size",
+        "checkpoint.continuity.probe_size", "data.batch_size", "strategy.timeout_s",
     )),
     *((key, lambda v: v >= 0, "must not be negative") for key in (
         "trainer.max_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",

@@ -1,8 +1,9 @@
 """The proof that a resume continued the run: the loss on a fixed probe of validation samples,
 stored in each checkpoint and measured again after the restore, must match.
 
-The probe is evaluated as validation is (evaluation.py), in one batch, so its loss at save and at
-resume is computed the same way whatever the batch size.
+The probe is evaluated as validation is (evaluation.py), in one batch and whole in every process,
+so its loss at save and at resume is computed the same way whatever the batch size and the number
+of processes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Probe:
 
     def measure(self, run: Run) -> float:
         loader = evaluation_loader(Subset(self.val, self.indices.tolist()), len(self.indices), 0, run.cfg.device)
-        return evaluate(run, loader)["val/loss"]
+        return evaluate(run, loader, shared=False)["val/loss"]
 
     def state_dict(self) -> dict:
         return {"indices": self.indices, "loss": self.loss}

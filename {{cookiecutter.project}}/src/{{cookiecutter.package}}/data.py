@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .config import DeviceConfig
+from .distributed import World
 from .errors import RunError
 
 
@@ -28,28 +29,33 @@ class Data:
 
 @dataclass
 class Position:
-    """Where the data stream stands: `batch` batches of epoch `epoch` have been consumed. A
-    checkpoint part (state_dict, load_state_dict)."""
+    """Where the data stream stands: `sample` samples of epoch `epoch` have been trained on, over
+    all processes, so that a resume with another number of processes continues the same order.
+    A checkpoint part (state_dict, load_state_dict)."""
 
     epoch: int = 0
-    batch: int = 0
+    sample: int = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if set(state) != {"epoch", "batch"} or any(type(value) is not int or value < 0 for value in state.values()):
-            raise ValueError(f"a data position is two counts, epoch and batch; found {state}")
-        self.epoch, self.batch = state["epoch"], state["batch"]
+        if set(state) != {"epoch", "sample"} or any(type(value) is not int or value < 0 for value in state.values()):
+            raise ValueError(f"a data position is two counts, epoch and sample; found {state}")
+        self.epoch, self.sample = state["epoch"], state["sample"]
 
 
 class EpochSampler(Sampler[int]):
     """Shuffles each epoch with a permutation drawn from (seed, epoch) alone, so any position of
     any epoch can be replayed without saving generator state; `start` skips the samples that the
-    run has already trained on. Sampling happens in the main process, so this holds with workers."""
+    run has already trained on. Sampling happens in the main process, so this holds with workers.
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
+    With several processes, each global batch (`batch_size` samples per process) is cut from the
+    one permutation, rank 0 taking its first `batch_size`, rank 1 the next, and so on: together
+    they train on what one process would with a batch `world_size` times larger."""
+
+    def __init__(self, size: int, seed: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.seed, self.batch_size, self.rank, self.world_size = size, seed, batch_size, rank, world_size
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -57,28 +63,33 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-        return iter(torch.randperm(self.size, generator=generator)[self.start :].tolist())
+        rest = torch.randperm(self.size, generator=generator)[self.start :]
+        batches = len(rest) // (self.world_size * self.batch_size)  # whole global batches only
+        mine = rest[: batches * self.world_size * self.batch_size].view(batches, self.world_size, -1)[:, self.rank]
+        return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
-        return max(self.size - self.start, 0)
+        return max(self.size - self.start, 0) // (self.world_size * self.batch_size) * self.batch_size
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
-def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int) -> DataLoader:
-    """The training loader: `data.batch_size` samples a batch, in the order of `EpochSampler`."""
-    if len(dataset) < cfg.batch_size:
+def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int, world: World) -> DataLoader:
+    """This process's training loader: `data.batch_size` samples a batch, its share of each
+    global batch in the order of `EpochSampler`."""
+    if len(dataset) < cfg.batch_size * world.size:
+        processes = f" x {world.size} processes" if world.size > 1 else ""
         raise RunError(
-            f"data.batch_size={cfg.batch_size} is larger than the {len(dataset)} training samples, so no "
-            f"full batch exists; use data.batch_size={len(dataset)} or less"
+            f"data.batch_size={cfg.batch_size}{processes} is larger than the {len(dataset)} training samples, so no "
+            f"full batch exists; use data.batch_size={len(dataset) // world.size} or less"
         )
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
-        sampler=EpochSampler(len(dataset), seed),
-        drop_last=True,  # equal batches: a position is a batch count
+        sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size),
+        drop_last=True,  # equal batches: a position is a count of whole global batches
         num_workers=cfg.get("num_workers", 0),
         pin_memory=device.pin_memory,
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
@@ -90,9 +101,15 @@ def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: 
     )
 
 
-def evaluation_loader(dataset: Dataset, batch_size: int, num_workers: int, device: DeviceConfig) -> DataLoader:
-    """In order, every sample once. Its own generator: a loader without one draws its seed from
-    the global generator, and evaluating would then shift the random numbers of training."""
+def evaluation_loader(
+    dataset: Dataset, batch_size: int, num_workers: int, device: DeviceConfig, world: World | None = None
+) -> DataLoader:
+    """In order, every sample once; with a `world`, this process's share: every world.size-th
+    sample (the metrics then add up the shares, evaluation.py). Its own generator: a loader
+    without one draws its seed from the global generator, and evaluating would then shift the
+    random numbers of training."""
+    if world is not None and world.size > 1:
+        dataset = Subset(dataset, range(world.rank, len(dataset), world.size))
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -103,14 +120,15 @@ def evaluation_loader(dataset: Dataset, batch_size: int, num_workers: int, devic
 
 
 def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tensor]]:
-    """Endless batches from `position` on, advancing it as they are handed out."""
+    """Endless batches from `position` on, advancing it by a global batch as each is handed out."""
     sampler = loader.sampler
     assert isinstance(sampler, EpochSampler)
     while True:
-        sampler.set_position(position.epoch, position.batch * loader.batch_size)
-        loader.generator.manual_seed(epoch_seed(sampler.seed, position.epoch))
+        sampler.set_position(position.epoch, position.sample)
+        # Apart for each rank: workers that augment must not draw the same for different samples.
+        loader.generator.manual_seed(epoch_seed(sampler.seed, position.epoch) + 7919 * sampler.rank)
         for batch in loader:
-            position.batch += 1
+            position.sample += sampler.batch_size * sampler.world_size
             yield batch
         position.epoch += 1
-        position.batch = 0
+        position.sample = 0

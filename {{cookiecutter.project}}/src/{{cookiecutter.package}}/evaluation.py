@@ -28,22 +28,25 @@ def build_metrics(cfg: DictConfig, num_classes: int, device: torch.device) -> di
 
 
 @torch.no_grad()
-def evaluate(run: Run, loader: DataLoader) -> dict[str, float]:
-    """`val/loss`, the mean loss per sample, and `val/<name>` for each metric."""
+def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, float]:
+    """`val/loss`, the mean loss per sample, and `val/<name>` for each metric. `shared`: each
+    process holds a share of the samples, and the results combine all shares (a collective step);
+    otherwise only the loss, over this process's loader alone."""
     run.model.eval()
     # NaN kept, not dropped with a warning (torchmetrics' default): a NaN loss must show.
-    loss = MeanMetric(nan_strategy="disable").to(run.device)
+    loss = MeanMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device)
+    metrics = run.metrics if shared else {}
     for inputs, targets in loader:
         inputs, targets = run.place(inputs), run.place(targets)
         with autocast(run.cfg.amp, run.device):
             outputs = run.model(inputs)
         outputs = outputs.float()
         loss.update(run.criterion(outputs, targets), weight=len(targets))
-        for metric in run.metrics.values():
+        for metric in metrics.values():
             metric.update(outputs, targets)
     run.model.train()
     results = {"val/loss": loss.compute().item()}
-    for name, metric in run.metrics.items():
+    for name, metric in metrics.items():
         results[f"val/{name}"] = metric.compute().item()
         metric.reset()
     return results

@@ -1,10 +1,13 @@
 """Graceful preemption: SIGTERM (a scheduler taking the node back) or SIGINT (Ctrl-C) lets the
-current step finish, and the runner then saves a checkpoint before it exits."""
+current step finish, and the runner then saves a checkpoint before it exits. With several
+processes, a signal that reaches any of them stops them all at the same step."""
 
 import logging
 import signal
 import threading
 from types import FrameType
+
+from .distributed import World
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,15 @@ class Preemption:
     def __exit__(self, *exc_info: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def agreed(self, world: World) -> bool:
+        """Whether any process has received a signal; then every process holds it in `received`.
+        A collective step, taken by all processes at each step boundary, so that all stop at the
+        same step and save the same checkpoint."""
+        number = world.max(self.received or 0)
+        if number:
+            self.received = signal.Signals(number)
+        return bool(number)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:

@@ -9,12 +9,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .devices import describe
+from .distributed import World
 
 
-def record(cfg: DictConfig, device: torch.device) -> tuple[dict[str, str], dict[str, str], str]:
+def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str], str]:
     """What a run records of itself: every setting as a param, where and how it really ran as
     tags (what the MLflow UI needs to compare runs), and the resolved config."""
+    device = world.device
     tags = {
+        "strategy": cfg.strategy.type,
+        "world_size": str(world.size),
+        "backend": world.backend or "none",
         "device": str(device),
         "device.type": device.type,
         "device.index": str(device.index if device.index is not None else 0),

@@ -37,7 +37,8 @@ def save(run: Run) -> Path:
         "versions": library_versions(),
         **{name: getattr(run, name).state_dict() for name in checkpoints.PARTS},
     }
-    path = checkpoints.save(state, run.home, run.step, run.cfg.checkpoint.keep_last)
+    # Built on every rank (the random state is gathered from all), written by rank 0 alone.
+    path = run.world.on_main(lambda: checkpoints.save(state, run.home, run.step, run.cfg.checkpoint.keep_last))
     run.tracker.log_metrics({"checkpoint/loss": run.probe.loss}, run.step)
     run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
     return path

@@ -14,6 +14,7 @@ job that had started and starts the others.
 import atexit
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -64,7 +65,8 @@ class Job:
         except Exception as error:  # a bug in one job must not cost the others their runs
             log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
-        (self.output_dir / RESULT_FILE).write_text(json.dumps({"job": self.key, **result}))
+        if os.environ.get("RANK", "0") == "0":  # a job of several SLURM tasks has one result
+            (self.output_dir / RESULT_FILE).write_text(json.dumps({"job": self.key, **result}))
         return result.get(cfg.optimized_metric)
 
 

@@ -94,17 +94,18 @@ def connect(tracking_uri: str) -> MlflowClient:
 
 
 class Tracker:
-    """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`, or once
-    the store has proved unreachable at the start."""
+    """The MLflow run of this job; every method is a no-op when `mlflow.enabled=false`, in any
+    process but rank 0 (`main=False`: one run, each step logged once), or once the store has
+    proved unreachable at the start."""
 
-    def __init__(self, cfg: MlflowConfig, spill_dir: Path) -> None:
+    def __init__(self, cfg: MlflowConfig, spill_dir: Path, main: bool = True) -> None:
         if cfg.enabled and cfg.system_metrics and importlib.util.find_spec("psutil") is None:
             raise RunError(
                 "mlflow.system_metrics=true needs psutil: pip install -e '.[system-metrics]', "
                 "or drop mlflow.system_metrics"
             )
         self.run_id: str | None = None
-        self._cfg, self._spill_dir = cfg, spill_dir
+        self._cfg, self._spill_dir, self._main = cfg, spill_dir, main
         self._parent_tags = {"mlflow.parentRunId": cfg.parent_run_id} if cfg.parent_run_id else {}
         self._resumed_run_id: str | None = None  # the run a restored checkpoint was written by
         self._resumes = 0
@@ -172,7 +173,7 @@ class Tracker:
     def _open(self, open_run, *args) -> None:
         """Connects and opens the run. The store is opened only when a run starts, so a run that
         fails its preflight leaves no trace; whatever it raises, training does not depend on it."""
-        if not self._cfg.enabled:
+        if not (self._cfg.enabled and self._main):
             return
         try:
             self._client = connect(self._cfg.tracking_uri)

@@ -1,12 +1,14 @@
-"""The training recipe, top to bottom: claim the checkpoint home, `setup` (build, place, restore,
-audit), check continuity, `fit`, `finish`.
+"""The training recipe, top to bottom: join the other processes (if any), claim the checkpoint
+home, `setup` (build, place, wrap, restore, audit), check continuity, `fit`, `finish`.
 
 The order is the point of this file. Each numbered step says why it stands where it does; moving
 one is how the failures this project exists to prevent come back.
 """
 
+import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,12 +21,13 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from tqdm import tqdm
 
-from . import checkpoints, components, continuity, state
+from . import checkpoints, components, continuity, distributed, state
 from .checkpoints import SaveError
 from .config import Config, check_values
 from .continuity import Probe
 from .data import Data, Position, batches, build_loader, evaluation_loader
-from .devices import audit_placement, describe, resolve_device, set_cpu_threads, to_device
+from .devices import audit_placement, describe, set_cpu_threads, to_device
+from .distributed import World, gradients_held
 from .divergence import Divergence, nonfinite_weights
 from .errors import RunError
 from .evaluation import build_metrics, evaluate
@@ -45,11 +48,12 @@ class Run:
     assembled by `setup` in recipe order."""
 
     cfg: Config
-    device: torch.device
+    world: World  # this process among the job's, and its device
     home: Path  # where this run's checkpoints live
     data: Data
-    val_loader: DataLoader
-    model: nn.Module
+    val_loader: DataLoader  # this process's share of the validation set
+    model: nn.Module  # what is saved, evaluated and audited
+    wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
     criterion: nn.Module
     metrics: dict[str, Metric]
     optimizer: torch.optim.Optimizer
@@ -60,6 +64,10 @@ class Run:
     tracker: Tracker
     rng: RandomState
     step: int = 0  # optimizer steps taken
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device, self.cfg.device.non_blocking, self.cfg.trainer.channels_last)
@@ -74,7 +82,8 @@ def main(cfg: DictConfig) -> dict | float | None:
     try:
         return train(cfg)
     except RunError as error:
-        print(f"error: {error}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")  # every process prints it: the one that failed may not be rank 0
+        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -82,31 +91,31 @@ def train(cfg: Config) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
     metrics, the continuity verdict and the MLflow run id."""
     check_values(cfg)
-    seed_everything(cfg.seed)
+    # 1. This process's place among the job's and its device, first: a missing accelerator or a
+    #    launch that does not match `strategy` fails here, before anything is built.
+    with distributed.join(cfg) as world:
+        seed_everything(cfg.seed + world.rank)  # rank 0 draws as a single process would
+        set_cpu_threads(cfg.device)
+        log.info(f"device: {describe(world.device)}; amp: {describe_amp(cfg.amp)}; {describe_world(world)}")
+        if cfg.mlflow.enabled:
+            world.on_main(lambda: check_tracking_uri(cfg.mlflow))
+        return train_in(cfg, world)
 
-    # 1. The device first: a missing accelerator fails here, before anything is built.
-    device = resolve_device(cfg.device)
-    set_cpu_threads(cfg.device)
-    log.info(f"device: {describe(device)}; amp: {describe_amp(cfg.amp)}")
-    if cfg.mlflow.enabled:
-        check_tracking_uri(cfg.mlflow)
 
-    # 2. The checkpoint home, held until the run ends: a second run with the same name, or a
-    #    folder that cannot take checkpoints, stops here, not at a save hours later.
+def train_in(cfg: Config, world: World) -> dict:
+    """Steps 2 to 11, in this process's place among the job's."""
+    # 2. The checkpoint home, held by rank 0 until the run ends: a second run with the same name,
+    #    or a folder that cannot take checkpoints, stops here, not at a save hours later.
     home = Path(cfg.checkpoint.dir)
-    with checkpoints.claim(home):
-        if cfg.resume is None and checkpoints.has_checkpoints(home):
-            raise RunError(
-                f"{home} already holds checkpoints of {cfg.name!r}; continue them with resume=last, "
-                f"or start a separate run with name=<new name> (or checkpoint.dir=<path>)"
-            )
-        run, found = setup(cfg, device, home)
+    with world.held_by_main(lambda: checkpoints.claim(home)):
+        world.on_main(lambda: refuse_to_start_over(cfg, home))
+        run, found = setup(cfg, world, home)
 
-        # 9. One MLflow run across resumes; then the continuity check: the probe loss now must
-        #    match the probe loss stored at save. Signals wait for a checkpoint from here on.
+        # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
+        #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status = "FAILED"
         with Preemption() as preemption:
-            run.tracker.open(*record(cfg, device), checkpoint=found[0] if found else None)
+            run.tracker.open(*record(cfg, world), checkpoint=found[0] if found else None)
             try:
                 verdict = continuity.check(run, found[1], run.step) if found else "fresh"
                 saver = Saver(run, newest=found[0] if found else None)
@@ -120,13 +129,26 @@ def train(cfg: Config) -> dict:
         log.info(f"stopped at step {run.step} by {preemption.received.name}; saved {newest}; continue with resume=last")
         raise SystemExit(128 + preemption.received)
     scores = ", ".join(f"{key} {value:.4f}" for key, value in result.items() if key.startswith("val/"))
-    log.info(f"finished at step {run.step}: {scores}; checkpoint {newest}; MLflow run {run.tracker.run_id or 'off'}")
+    log.info(f"finished at step {run.step}: {scores}; checkpoint {newest}; MLflow run {result['run_id'] or 'off'}")
     return result
 
 
-def setup(cfg: Config, device: torch.device, home: Path) -> tuple[Run, tuple[Path, dict] | None]:
-    """Steps 3 to 8: the run built, on its device, restored from the checkpoint `resume=` names
-    (returned with its path), and audited."""
+def describe_world(world: World) -> str:
+    return f"{world.size} processes ({world.backend}), this is rank {world.rank}" if world.backend else "one process"
+
+
+def refuse_to_start_over(cfg: Config, home: Path) -> None:
+    if cfg.resume is None and checkpoints.has_checkpoints(home):
+        raise RunError(
+            f"{home} already holds checkpoints of {cfg.name!r}; continue them with resume=last, "
+            f"or start a separate run with name=<new name> (or checkpoint.dir=<path>)"
+        )
+
+
+def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict] | None]:
+    """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
+    the checkpoint `resume=` names (returned with its path), and audited."""
+    device = world.device
     # 3. The data, then the whole model, with any structural change (a new head, frozen layers)
     #    made in its constructor: the move below carries only the submodules that exist now.
     data = components.build("data", cfg.data)
@@ -139,16 +161,21 @@ def setup(cfg: Config, device: torch.device, home: Path) -> tuple[Run, tuple[Pat
     criterion = components.build("loss", cfg.loss).to(device)
     metrics = build_metrics(cfg.metrics, data.num_classes, device)
 
-    # 5. Optimizer, scheduler and scaler, built on parameters that are already placed.
+    # 5. Under strategy=ddp, into DistributedDataParallel, which needs the model on its device
+    #    and broadcasts rank 0's weights, so that every rank starts from the same ones.
+    wrapped = distributed.wrap(model, world, cfg)
+
+    # 6. Optimizer, scheduler and scaler, built on parameters that are already placed.
     optimizer = components.build("optimizer", cfg.optimizer, params=[p for p in model.parameters() if p.requires_grad])
     scheduler = components.build("scheduler", cfg.scheduler, optimizer=optimizer)
     run = Run(
         cfg,
-        device,
+        world,
         home,
         data,
-        evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device),
+        evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device, world),
         model,
+        wrapped,
         criterion,
         metrics,
         optimizer,
@@ -156,51 +183,73 @@ def setup(cfg: Config, device: torch.device, home: Path) -> tuple[Run, tuple[Pat
         build_scaler(cfg.amp, device),
         Position(),
         Probe(data.val, cfg.checkpoint.continuity.probe_size),
-        Tracker(cfg.mlflow, home),
-        RandomState(device),
+        Tracker(cfg.mlflow, home, main=world.is_main),
+        RandomState(world, cfg.seed),
     )
 
-    # 6. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
+    # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
-    found = checkpoints.find(cfg.resume, home)
+    #    Every rank loads the same checkpoint, the one rank 0 chose, into its own copy.
+    found = locate(cfg.resume, home, world)
     if found is not None:
         state.restore(run, found[1])
-        if (folder := checkpoints.set_aside_newer(home, run.step)) is not None:
-            log.info(f"resuming from step {run.step}: the newer checkpoints of {home} are moved to {folder}")
+        world.on_main(lambda: set_aside_newer(home, run.step))
 
-    # 7. Optimize for the device after the restore, so that it starts from the restored state.
+    # 8. Optimize for the device after the restore, so that it starts from the restored state.
 {%- if cookiecutter.ipex %}
     #    IPEX rewrites model and optimizer from what they hold; what it returns replaces them.
     if cfg.device.ipex:
         from .ipex import ipex_optimize  # only here: IPEX pins torch 2.8, most runs never load it
 
         run.model, run.optimizer = ipex_optimize(run.model, run.optimizer, cfg.amp)
+        run.wrapped = run.model  # one process only (distributed.py refuses IPEX under ddp)
 {%- endif %}
     if cfg.trainer.compile:
         run.model.compile()  # in place: state_dict keys stay those of the plain model
 
-    # 8. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
+    # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
     audit_placement(device, run.model, run.optimizer, run.scaler)
     return run, found
 
 
+def locate(resume: str | None, home: Path, world: World) -> tuple[Path, dict] | None:
+    """The checkpoint `resume=` names, as rank 0 finds it, loaded on every rank."""
+    found = None
+
+    def find() -> Path | None:
+        nonlocal found
+        found = checkpoints.find(resume, home)
+        return found and found[0]
+
+    path = world.on_main(find)
+    return found if world.is_main or path is None else (path, checkpoints.load(path))
+
+
+def set_aside_newer(home: Path, step: int) -> None:
+    if (folder := checkpoints.set_aside_newer(home, step)) is not None:
+        log.info(f"resuming from step {step}: the newer checkpoints of {home} are moved to {folder}")
+
+
 def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
-    """10. Trains to `trainer.max_steps` or a signal; saves on schedule. A save that fails (a full
+    """11. Trains to `trainer.max_steps` or a signal; saves on schedule. A save that fails (a full
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
     stops the run before it can save (divergence.py). Returns the last loss and the throughput,
     or nothing when there was no step left to train."""
     trainer = run.cfg.trainer
-    stream = batches(build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed), run.position)
+    loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
+    stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss = Throughput(), None
-    with tqdm(total=trainer.max_steps, initial=run.step, disable=None, desc="train") as bar:
-        while run.step < trainer.max_steps and preemption.received is None:
+    with tqdm(
+        total=trainer.max_steps, initial=run.step, disable=None if run.world.is_main else True, desc="train"
+    ) as bar:
+        while run.step < trainer.max_steps and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss = train_step(run, micro_batches)
             run.step += 1
             divergence.watch(run.step, loss)
-            meter.count(sum(len(targets) for _, targets in micro_batches))
+            meter.count(run.world.size * sum(len(targets) for _, targets in micro_batches))
             bar.update()
             if run.step % trainer.log_every_n_steps == 0:
                 divergence.check(saver.on_disk())
@@ -219,21 +268,28 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
 
 
 def finish(run: Run, saver: "Saver", trained: dict[str, float], verdict: str) -> dict:
-    """The final validation and the last save, which must succeed; the run's result."""
+    """The final validation and the last save, which must succeed; the run's result, the same
+    on every process (the MLflow run id is rank 0's)."""
     val = evaluate(run, run.val_loader)
     run.tracker.log_metrics(val, run.step)
     saver.final()
-    return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run.tracker.run_id}
+    run_id = run.world.broadcast(run.tracker.run_id)
+    return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
 
 
 def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
-    """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss."""
+    """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss over
+    all processes."""
     total = torch.zeros((), device=run.device)
-    for inputs, targets in micro_batches:
-        with autocast(run.cfg.amp, run.device):
-            loss = run.criterion(run.model(run.place(inputs)), run.place(targets)) / len(micro_batches)
-        run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
+    for number, (inputs, targets) in enumerate(micro_batches, start=1):
+        with gradients_held(run.wrapped) if number < len(micro_batches) else contextlib.nullcontext():
+            with autocast(run.cfg.amp, run.device):
+                loss = run.criterion(run.wrapped(run.place(inputs)), run.place(targets)) / len(micro_batches)
+            run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
         total += loss.detach()
+    # The mean over the processes, as their gradients are: a loss that is not finite on one of
+    # them is seen by all, and all skip the same steps.
+    total = run.world.mean(total)
     # Asked for by on_nonfinite=skip_step, at the price of one host sync a step: no update from
     # a non-finite loss. The schedule still advances, so the lr stays a function of the step.
     if run.cfg.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):

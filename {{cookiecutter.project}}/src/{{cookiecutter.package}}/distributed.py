@@ -1,0 +1,265 @@
+"""Training as one of several processes (`strategy=ddp`): which process this is, its device, the
+process group, and the few collective steps the recipe takes. With `strategy=single` the world
+is this process alone and every collective step returns what it was given, so the recipe reads
+the same either way.
+
+Processes come from torchrun (`torchrun --nproc-per-node=4 run.py strategy=ddp`), which sets
+RANK, LOCAL_RANK and WORLD_SIZE, or from SLURM through submitit (`hydra/launcher=slurm`), whose
+job environment is translated into the same variables here.
+"""
+
+import contextlib
+import functools
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .devices import ACCELERATORS, resolve_device
+from .errors import RunError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+log = logging.getLogger(__name__)
+
+BACKENDS = {"cuda": "nccl", "xpu": "xccl"}  # and gloo for every other device
+T = TypeVar("T")
+
+
+@dataclass
+class World:
+    """This process's place among the processes of the job, and its device."""
+
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0  # on this machine: the index of its accelerator
+    size: int = 1
+    backend: str | None = None  # of the process group; None: no group (strategy=single)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes checkpoints and talks to MLflow."""
+        return self.rank == 0
+
+    def on_main(self, work: Callable[[], T]) -> T:
+        """Runs `work` on rank 0 and returns its result on every rank. A RunError it raises is
+        raised on every rank, so that all stop together with the same one-line message instead
+        of waiting for rank 0 until the process group times out."""
+        if self.backend is None:
+            return work()
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = work()
+            except RunError as raised:
+                error = raised
+            except Exception as raised:  # a bug: the others stop, rank 0 keeps its traceback
+                self.broadcast((None, RunError(f"rank 0 failed: {type(raised).__name__}: {raised}")))
+                raise
+        result, error = self.broadcast((result, error))
+        if error is not None:
+            raise error
+        return result
+
+    @contextlib.contextmanager
+    def held_by_main(self, context: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+        """Enters `context()` on rank 0 alone, for the life of the block (the checkpoint lock)."""
+        with contextlib.ExitStack() as stack:
+            self.on_main(lambda: stack.enter_context(context()))
+            yield
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank."""
+        if self.backend is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.backend is None:
+            return [value]
+        gathered = [None] * self.size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of `tensor` over the ranks (a sum and a division: gloo has no AVG)."""
+        if self.backend is None:
+            return tensor
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total / self.size
+
+    def max(self, value: int) -> int:
+        """The largest of every rank's `value`: how ranks agree on a flag, such as a stop."""
+        if self.backend is None:
+            return value
+        flag = torch.tensor([value], device=self.device if self.backend != "gloo" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+@contextlib.contextmanager
+def join(cfg: "Config") -> Iterator[World]:
+    """This process's World for the life of the block: its device resolved (a missing
+    accelerator fails here, before anything is built) and, under strategy=ddp, the process
+    group joined and left. A launch that does not match `strategy` is a one-line error."""
+    adopt_slurm_tasks()
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.strategy.type == "single":
+        if size > 1:
+            raise RunError(
+                f"this process is one of {size} (started by torchrun or SLURM), but strategy=single trains in "
+                f"one; add strategy=ddp, or start it with python run.py"
+            )
+        yield World(resolve_device(cfg.device))
+        return
+    if "WORLD_SIZE" not in os.environ:
+        arguments = " ".join(sys.argv[1:])
+        raise RunError(
+            f"strategy={cfg.strategy.type} runs one process per device, started by torchrun: "
+            f"torchrun --nproc-per-node=<devices> run.py {arguments}"
+        )
+    check_ddp_device(cfg)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if cfg.device.type != "cpu":
+        cfg.device.index = local_rank
+    device = resolve_device(cfg.device)
+    if device.type in ACCELERATORS:
+        getattr(torch, device.type).set_device(device)  # object collectives use the current device
+    backend = backend_for(cfg.device.backend, device)
+    quiet_unless_main(rank)
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=cfg.strategy.timeout_s),
+        device_id=device if device.type in ACCELERATORS else None,
+    )
+    try:
+        yield World(device, rank, local_rank, size, backend)
+    finally:
+        leave_after_main(rank)
+        dist.destroy_process_group()
+
+
+def leave_after_main(rank: int) -> None:
+    """Holds the other ranks until rank 0 is done (a minute at most, in case it died): torchrun
+    stops every process once one exits with an error, and a run stopped by a signal exits with
+    one, while rank 0 may still be writing the end of the run to MLflow."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"rank 0 done/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if rank == 0:
+        store.set(key, "1")
+        return
+    with contextlib.suppress(RuntimeError):  # rank 0 is gone or stuck: leave all the same
+        store.wait([key], timedelta(seconds=60))
+
+
+def backend_for(configured: str | None, device: torch.device) -> str:
+    return configured or BACKENDS.get(device.type, "gloo")
+
+
+def check_ddp_device(cfg: "Config") -> None:
+    if cfg.device.index != 0:
+        raise RunError(
+            f"device.index={cfg.device.index}: under strategy={cfg.strategy.type} each process takes the "
+            f"accelerator of its LOCAL_RANK; choose the devices with CUDA_VISIBLE_DEVICES (or "
+            f"ZE_AFFINITY_MASK on xpu) and leave device.index out"
+        )
+{%- if cookiecutter.ipex %}
+    if cfg.device.ipex:
+        raise RunError(
+            f"device.ipex=true is for one process; drop it under strategy={cfg.strategy.type}, where torch's "
+            f"own xpu support (device=xpu) trains"
+        )
+{%- endif %}
+
+
+def wrap(model: nn.Module, world: World, cfg: "Config") -> nn.Module:
+    """The model as training calls it: in DistributedDataParallel, which broadcasts rank 0's
+    weights now and averages the gradients in every backward; the model itself otherwise."""
+    if world.backend is None:
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[world.device.index] if world.device.type in ACCELERATORS else None,
+        find_unused_parameters=cfg.strategy.find_unused_parameters,
+    )
+
+
+def gradients_held(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A backward that keeps its gradients on this rank (all but the last micro-batch of an
+    accumulated step): averaging them once, at the last, gives the same result for less traffic."""
+    return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def quiet_unless_main(rank: int) -> None:
+    """Ranks other than 0 print warnings and errors only, each line marked with the rank."""
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+
+
+def adopt_slurm_tasks() -> None:
+    """Under submitit (hydra/launcher=slurm with tasks_per_node or nodes above 1), sets the
+    variables torchrun would have set, from SLURM's: the first node hosts the rendezvous."""
+    if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local"):
+        return
+    import submitit  # only here: the sweeps extra
+
+    job = submitit.JobEnvironment()
+    os.environ.update(
+        RANK=str(job.global_rank),
+        LOCAL_RANK=str(job.local_rank),
+        WORLD_SIZE=str(job.num_tasks),
+        LOCAL_WORLD_SIZE=str(job.num_tasks // job.num_nodes),
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", job.hostnames[0]),
+        # The same on every task of the job, and different between jobs sharing a node.
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + int(re.sub(r"\D", "", job.job_id) or 0) % 20000)),
+    )
+
+
+def launch_time(pattern: str) -> str:
+    """`${launch_time:%H-%M-%S}`: like Hydra's `${now:}`, but the same in every process of a
+    torchrun job, so that all ranks agree on one output folder."""
+    return time.strftime(pattern, time.localtime(_launched()))
+
+
+@functools.cache
+def _launched() -> float:
+    """Rank 0's clock, shared through torchrun's own store (up before any worker starts)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return time.time()
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    key = f"launch_time/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if os.environ["RANK"] == "0":
+        store.set(key, repr(time.time()))
+    return float(store.get(key))
+
+
+def if_main_process(value: str) -> str | None:
+    """`${if_main_process:.hydra}`: the value on rank 0, null on the others (Hydra then writes
+    its config files once)."""
+    return value if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" else None
+
+
+OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
+OmegaConf.register_new_resolver("if_main_process", if_main_process, replace=True)

@@ -1,0 +1,274 @@
+"""strategy=ddp for real: two processes under torchrun, gloo on the CPU, no mocked process group.
+The first tests need no processes: how the data is cut, and how a launch is read."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import losses, run_cli, wait_for_a_save
+from mlflow import MlflowClient
+
+from {{cookiecutter.package}} import checkpoints, distributed
+from {{cookiecutter.package}}.data import EpochSampler
+from {{cookiecutter.package}}.errors import RunError
+
+# Exact equality across world sizes is not to be had: the two processes sum their gradients in
+# another order than one process does. Over 30 AdamW steps the drift stays far below this.
+SAME_GLOBAL_BATCH_RTOL = 1e-4
+
+
+def shards(size: int, batch_size: int, world_size: int, start: int = 0) -> list[list[int]]:
+    """The global batches of epoch 0 as the ranks draw them, each rank's share in rank order."""
+    per_rank = []
+    for rank in range(world_size):
+        sampler = EpochSampler(size, seed=0, batch_size=batch_size, rank=rank, world_size=world_size)
+        sampler.set_position(0, start)
+        drawn = list(sampler)
+        assert len(drawn) == len(sampler)
+        per_rank.append([drawn[i : i + batch_size] for i in range(0, len(drawn), batch_size)])
+    return [sum(batch, []) for batch in zip(*per_rank, strict=True)]
+
+
+def test_ranks_share_each_global_batch_of_the_one_permutation():
+    assert shards(100, batch_size=6, world_size=1) == shards(100, batch_size=3, world_size=2)
+    assert len(shards(100, batch_size=3, world_size=2)) == 16  # 100 // 6: only whole global batches
+
+
+def test_a_position_in_samples_continues_the_same_order_with_another_number_of_processes():
+    one = sum(shards(120, batch_size=12, world_size=1), [])
+    assert sum(shards(120, batch_size=4, world_size=2, start=24), []) == one[24:]
+    assert sum(shards(120, batch_size=4, world_size=3, start=36), []) == one[36:]
+
+
+def test_the_process_group_backend_follows_the_device_unless_configured():
+    chosen = [distributed.backend_for(None, torch.device(kind)) for kind in ("cpu", "cuda", "xpu", "mps")]
+    assert chosen == ["gloo", "nccl", "xccl", "gloo"]
+    assert distributed.backend_for("gloo", torch.device("cuda")) == "gloo"
+
+
+def test_a_slurm_task_gets_the_variables_torchrun_would_set(monkeypatch):
+    launched_here = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setattr(os, "environ", {name: value for name, value in os.environ.items() if name not in launched_here})
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    distributed.adopt_slurm_tasks()
+    launched = {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    assert launched == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert os.environ["MASTER_ADDR"] == "gpu07" and os.environ["MASTER_PORT"] == str(20000 + 4242)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "launched", "message"),
+    [
+        (["strategy=ddp"], {}, "started by torchrun: torchrun --nproc-per-node=<devices> run.py"),
+        ([], {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "one of 2 (started by torchrun or SLURM)"),
+        (["strategy=ddp", "device=cuda", "device.index=1"], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+         "each process takes the accelerator of its LOCAL_RANK"),
+    ],
+)  # fmt: skip
+def test_a_launch_that_does_not_match_the_strategy_is_refused(make_cfg, monkeypatch, overrides, launched, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RunError, match=re.escape(message)), distributed.join(make_cfg(*overrides)):
+        pass
+
+
+slow = pytest.mark.slow
+CPU = ["device=cpu", "device.cpu_threads=1"]
+
+
+def torchrun(project: Path, *overrides: str, processes: int = 2, device: list[str] = CPU) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node=2 run.py strategy=ddp device=cpu ...` in `project`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "run.py"]
+    settings = ["strategy=ddp", *device, "trainer.log_every_n_steps=1", *overrides]
+    return subprocess.Popen(
+        [*command, *settings], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finished(process: subprocess.Popen, timeout: float = 300) -> str:
+    stdout, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, stdout + stderr
+    return stdout + stderr
+
+
+def store(project: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+
+
+def only_run(client: MlflowClient, name: str):
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    return run
+
+
+def ranks(process: subprocess.Popen) -> dict[int, int]:
+    """torchrun's workers: {rank: pid}."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        found = {}
+        for pid in map(int, children):
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+            if b"RANK" in variables:
+                found[int(variables[b"RANK"])] = pid
+        if len(found) == 2:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("torchrun's workers did not start")
+
+
+@slow
+def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
+    output = finished(torchrun(project, "name=ddp", "model.dropout=0", "data.batch_size=32", "trainer.max_steps=30"))
+    assert "2 processes (gloo), this is rank 0" in output and "finished at step 30" in output
+    (folder,) = (project / "outputs").glob("*/*")  # one Hydra folder for both ranks, its files written once
+    assert sorted(path.name for path in folder.iterdir()) == [".hydra", "run.log"]
+    single = run_cli(project, "name=single", "model.dropout=0", "data.batch_size=64", "trainer.max_steps=30")
+    assert single.returncode == 0, single.stderr
+
+    client = store(project)
+    ddp, one = only_run(client, "ddp"), only_run(client, "single")
+    assert {key: ddp.data.tags[key] for key in ("strategy", "world_size", "backend")} == {
+        "strategy": "ddp", "world_size": "2", "backend": "gloo"
+    }  # fmt: skip
+    ddp_losses, one_losses = losses(client, ddp.info.run_id), losses(client, one.info.run_id)
+    assert sorted(ddp_losses) == list(range(1, 31)) and all(len(values) == 1 for values in ddp_losses.values())
+    for step, (value,) in one_losses.items():
+        assert ddp_losses[step][0] == pytest.approx(value, rel=SAME_GLOBAL_BATCH_RTOL), step
+    assert ddp.data.metrics["val/accuracy"] == pytest.approx(one.data.metrics["val/accuracy"], abs=0.01)
+
+
+@slow
+def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, tmp_path):
+    """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
+    steps = ["trainer.max_steps=70", "checkpoint.every_n_steps=7"]
+    finished(torchrun(project, "name=unbroken", *steps))
+
+    process = torchrun(project, "name=broken", *steps)
+    wait_for_a_save(project / "checkpoints" / "broken", process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    saved = checkpoints.newest_valid(project / "checkpoints" / "broken")[1]
+    assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr and saved["step"] < 70
+    assert saved["position"]["sample"] % 64 == 0 and len(saved["rng"]["ranks"]) == 2
+    resumed = finished(torchrun(project, "name=broken", *steps, "resume=last"))
+    assert f"resumed at step {saved['step']} on cpu" in resumed and "(ok)" in resumed
+
+    client = store(project)
+    broken, unbroken = only_run(client, "broken"), only_run(client, "unbroken")
+    assert broken.info.status == "FINISHED" and broken.data.tags["resumes"] == "1"
+    assert losses(client, broken.info.run_id) == losses(client, unbroken.info.run_id)  # each step once, equal
+
+
+@slow
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(project):
+    home = project / "checkpoints" / "demo"
+    process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=25")
+    wait_for_a_save(home, process)
+    os.kill(ranks(process)[1], signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    saved = checkpoints.newest_valid(home)[1]
+    assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr  # rank 0's line: it stopped too
+    assert "exitcode  : 143" in stdout + stderr  # torchrun's report of the ranks' exit
+    assert only_run(store(project), "demo").info.status == "KILLED"
+
+
+@slow
+def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_ddp(project):
+    finished(torchrun(project, "trainer.max_steps=20"))
+    single = run_cli(
+        project, "device.cpu_threads=1", "trainer.log_every_n_steps=1", "trainer.max_steps=40", "resume=last"
+    )
+    assert single.returncode == 0, single.stderr
+    assert "resumed at step 20 on cpu" in single.stdout + single.stderr and "(ok)" in single.stdout + single.stderr
+    again = finished(torchrun(project, "trainer.max_steps=60", "resume=last"))
+    assert "resumed at step 40 on cpu" in again and "(ok)" in again
+    assert "the checkpoint holds the random state of 1 process(es), this run has 2" in again
+    run = only_run(store(project), "demo")
+    assert run.data.tags["resumes"] == "2" and run.data.tags["world_size"] == "2"
+    assert sorted(losses(store(project), run.info.run_id)) == list(range(1, 61))
+
+
+@slow
+def test_kill_9_of_rank_0_mid_save_leaves_the_previous_checkpoint_resumable(project):
+    """A model large enough that each save takes a while: rank 0 dies while one is being written."""
+    home = project / "checkpoints" / "demo"
+    big = ["model.hidden_sizes=[2048,2048]", "trainer.max_steps=100000", "checkpoint.every_n_steps=5"]
+    process = torchrun(project, *big)
+    wait_for_a_save(home, process)
+    rank_0 = ranks(process)[0]
+    deadline = time.monotonic() + 120
+    while not any(path.suffix == ".tmp" for path in home.iterdir()):
+        assert time.monotonic() < deadline and process.poll() is None, "no save was caught in progress"
+    os.kill(rank_0, signal.SIGKILL)
+    process.communicate(timeout=120)
+    assert process.returncode != 0 and any(path.suffix == ".tmp" for path in home.iterdir())
+    newest = checkpoints.newest_valid(home)[1]
+
+    resumed = finished(torchrun(project, *big[:1], f"trainer.max_steps={newest['step'] + 5}", "resume=last"))
+    assert f"resumed at step {newest['step']} on cpu" in resumed and "(ok)" in resumed
+    assert not any(path.suffix == ".tmp" for path in home.iterdir())
+
+
+@slow
+def test_the_cli_refuses_a_launch_that_does_not_match_the_strategy_in_one_line(project):
+    alone = run_cli(project, "strategy=ddp", "device=cpu")
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr
+    assert alone.stderr.strip() == (
+        "error: strategy=ddp runs one process per device, started by torchrun: "
+        "torchrun --nproc-per-node=<devices> run.py strategy=ddp device=cpu"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py"]
+    single = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=120)
+    assert single.returncode != 0
+    assert "error: this process is one of 2 (started by torchrun or SLURM), but strategy=single" in single.stderr
+    assert "[rank 1] error: this process is one of 2" in single.stderr
+    assert not (project / "checkpoints").exists()
+
+
+@slow
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda")
+def test_ddp_with_nccl_on_every_gpu_trains_in_bf16_with_fused_adamw_and_resumes(project):
+    gpus, settings = torch.cuda.device_count(), ["device=cuda", "amp=bf16", "optimizer.fused=true"]
+    first = finished(torchrun(project, "trainer.max_steps=20", processes=gpus, device=settings))
+    assert f"{gpus} processes (nccl), this is rank 0" in first and "device: cuda:0" in first
+    resumed = finished(torchrun(project, "trainer.max_steps=40", "resume=last", processes=gpus, device=settings))
+    assert "resumed at step 20 on cuda:0" in resumed and "(ok)" in resumed
+    saved = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]
+    assert len(saved["rng"]["ranks"]) == gpus and saved["rng"]["ranks"][-1]["accelerator"]["type"] == "cuda"
+
+
+@slow
+def test_a_sweep_job_of_two_submitit_tasks_trains_as_one_ddp_run(project):
+    """submitit's local executor starts the tasks as SLURM would: the rendezvous comes from its
+    job environment, with no torchrun."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")
+    tasks = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"]
+    sweep = run_cli(project, "-m", *tasks, "strategy=ddp", *CPU, "trainer.max_steps=20", timeout=300)
+    assert sweep.returncode == 0, sweep.stderr
+    (job,) = (project / "multirun").glob("*/*/0")
+    assert '"status": "FINISHED"' in (job / "job_result.json").read_text()
+    client = store(project)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], "tags.world_size = '2'")
+    (run,) = runs
+    assert run.info.status == "FINISHED" and sorted(losses(client, run.info.run_id)) == list(range(10, 21, 10))
