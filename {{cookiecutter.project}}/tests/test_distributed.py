@@ -46,6 +46,13 @@ def test_a_position_in_samples_continues_the_same_order_with_another_number_of_p
     assert sum(shards(120, batch_size=4, world_size=3, start=36), []) == one[36:]
 
 
+def test_a_position_after_the_last_whole_batch_of_an_epoch_draws_nothing_more_from_it():
+    """Where a checkpoint lands when it is saved at the last full batch of an epoch."""
+    for world_size in (1, 2):
+        assert shards(100, batch_size=3, world_size=world_size, start=98) == []
+        assert shards(100, batch_size=3, world_size=world_size, start=100) == []
+
+
 def test_the_process_group_backend_follows_the_device_unless_configured():
     chosen = [distributed.backend_for(None, torch.device(kind)) for kind in ("cpu", "cuda", "xpu", "mps")]
     assert chosen == ["gloo", "nccl", "xccl", "gloo"]

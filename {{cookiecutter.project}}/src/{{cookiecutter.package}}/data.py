@@ -65,7 +65,9 @@ class EpochSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         rest = torch.randperm(self.size, generator=generator)[self.start :]
         batches = len(rest) // (self.world_size * self.batch_size)  # whole global batches only
-        mine = rest[: batches * self.world_size * self.batch_size].view(batches, self.world_size, -1)[:, self.rank]
+        # No -1 in the shape: a position at the end of an epoch leaves zero batches, and (0, w, -1) is ambiguous.
+        shape = (batches, self.world_size, self.batch_size)
+        mine = rest[: batches * self.world_size * self.batch_size].view(shape)[:, self.rank]
         return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
