@@ -101,10 +101,12 @@ slow = pytest.mark.slow
 CPU = ["device=cpu", "device.cpu_threads=1"]
 
 
-def torchrun(project: Path, *overrides: str, processes: int = 2, device: list[str] = CPU) -> subprocess.Popen:
+def torchrun(
+    project: Path, *overrides: str, processes: int = 2, device: list[str] = CPU, strategy: str = "ddp"
+) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node=2 run.py strategy=ddp device=cpu ...` in `project`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "run.py"]
-    settings = ["strategy=ddp", *device, "trainer.log_every_n_steps=1", *overrides]
+    settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
     return subprocess.Popen(
         [*command, *settings], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -164,12 +166,13 @@ def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
 
 
 @slow
-def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy):
     """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
     steps = ["trainer.max_steps=70", "checkpoint.every_n_steps=7"]
-    finished(torchrun(project, "name=unbroken", *steps))
+    finished(torchrun(project, "name=unbroken", *steps, strategy=strategy))
 
-    process = torchrun(project, "name=broken", *steps)
+    process = torchrun(project, "name=broken", *steps, strategy=strategy)
     wait_for_a_save(project / "checkpoints" / "broken", process)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
@@ -177,7 +180,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
     saved = checkpoints.newest_valid(project / "checkpoints" / "broken")[1]
     assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr and saved["step"] < 70
     assert saved["position"]["sample"] % 64 == 0 and len(saved["rng"]["ranks"]) == 2
-    resumed = finished(torchrun(project, "name=broken", *steps, "resume=last"))
+    resumed = finished(torchrun(project, "name=broken", *steps, "resume=last", strategy=strategy))
     assert f"resumed at step {saved['step']} on cpu" in resumed and "(ok)" in resumed
 
     client = store(project)
@@ -216,22 +219,25 @@ def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_
 
 
 @slow
-def test_kill_9_of_rank_0_mid_save_leaves_the_previous_checkpoint_resumable(project):
-    """A model large enough that each save takes a while: rank 0 dies while one is being written."""
+@pytest.mark.parametrize(("strategy", "victim"), [("ddp", 0), ("fsdp", 1)])
+def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(project, strategy, victim):
+    """A model large enough that each save takes a while: a rank dies while one is being written
+    (under fsdp every rank writes its shards, so rank 1 dies mid-save as well as rank 0 could)."""
     home = project / "checkpoints" / "demo"
     big = ["model.hidden_sizes=[2048,2048]", "trainer.max_steps=100000", "checkpoint.every_n_steps=5"]
-    process = torchrun(project, *big)
+    process = torchrun(project, *big, strategy=strategy)
     wait_for_a_save(home, process)
-    rank_0 = ranks(process)[0]
+    pid = ranks(process)[victim]
     deadline = time.monotonic() + 120
     while not any(path.suffix == ".tmp" for path in home.iterdir()):
         assert time.monotonic() < deadline and process.poll() is None, "no save was caught in progress"
-    os.kill(rank_0, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     process.communicate(timeout=120)
     assert process.returncode != 0 and any(path.suffix == ".tmp" for path in home.iterdir())
     newest = checkpoints.newest_valid(home)[1]
 
-    resumed = finished(torchrun(project, *big[:1], f"trainer.max_steps={newest['step'] + 5}", "resume=last"))
+    steps = f"trainer.max_steps={newest['step'] + 5}"
+    resumed = finished(torchrun(project, *big[:1], steps, "resume=last", strategy=strategy))
     assert f"resumed at step {newest['step']} on cpu" in resumed and "(ok)" in resumed
     assert not any(path.suffix == ".tmp" for path in home.iterdir())
 

@@ -1,11 +1,13 @@
 """Checkpoint files: the run's claim on its folder, atomic writes, the `latest` pointer,
 retention, safe loading, and what `resume=` means.
 
-A checkpoint is one file, `step_00001200.pt`. It is written to a temporary name, flushed,
-fsynced and then renamed over the target, so a crash at any instant, mid-save included, leaves the
-previous checkpoint whole. What the rename cannot prevent, a file damaged after it was written (a
-truncated copy, a bad disk), the CRC-32 that torch.save stores for every record reveals: `load`
-checks them all, which torch.load alone does not.
+A checkpoint is one file, `step_00001200.pt`, or under strategy=fsdp one folder, `step_00001200/`,
+holding every process's shards of the model and optimizer (sharded.py) and a `state.pt` with the
+rest. Either is written under a temporary name, fsynced and only then renamed to its own, so a
+crash at any instant, of any process, mid-save included, leaves the previous checkpoint the newest
+whole one. What the rename cannot prevent, a file damaged after it was written (a truncated copy,
+a bad disk), checksums reveal: the CRC-32 that torch.save stores for every record, and those of
+the shard files taken at save; `load` checks them all, which torch.load alone does not.
 
 A run holds its checkpoint folder (its home) for its whole life with an OS lock, so a second run
 with the same name stops at once instead of overwriting the first; and it deletes only files
@@ -19,6 +21,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import socket
 import time
 import zipfile
@@ -28,6 +31,7 @@ from typing import BinaryIO
 
 import torch
 
+from . import sharded
 from .errors import RunError
 
 try:
@@ -42,10 +46,12 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 3
 POINTER = "latest"
 LOCK = "run.lock"
-NAME = re.compile(r"step_(\d{8,})\.pt")  # as path_of writes them: a user's step_7.pt is not ours
-# Temporary files this module writes, and so the only ones it removes: `step_00000100.pt.<tag>.tmp`,
-# `latest.<tag>.tmp` and the write test's `write-test.<tag>.tmp`.
-TEMPORARY = re.compile(r"(step_\d{8,}\.pt|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
+NAME = re.compile(r"step_(\d{8,})(\.pt)?")  # as path_of writes them: a user's step_7.pt is not ours
+STATE = "state.pt"  # in a folder checkpoint: everything but the shards
+# Temporary files and folders this module writes, and so the only ones it removes:
+# `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp` and the write
+# test's `write-test.<tag>.tmp`.
+TEMPORARY = re.compile(r"(step_\d{8,}(\.pt)?|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RunError):
@@ -132,10 +138,13 @@ def _write_down(write: Callable[[], None], home: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Deletes a file this module wrote; one it may not delete (made immutable by its owner, say)
-    stays, with a warning, and the run goes on."""
+    """Deletes a file or folder this module wrote; one it may not delete (made immutable by its
+    owner, say) stays, with a warning, and the run goes on."""
     try:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     except OSError as error:
         log.warning(f"could not remove {path} ({error.strerror}); it stays")
 
@@ -164,24 +173,99 @@ def save(state: dict, home: Path, step: int, keep_last: int) -> Path:
     return path
 
 
-def path_of(home: Path, step: int) -> Path:
-    return home / f"step_{step:08d}.pt"
+def save_folder(state: dict, temporary: Path, home: Path, step: int, keep_last: int) -> Path:
+    """Completes the sharded checkpoint of `step`, whose shards every process has written into
+    `temporary`: writes `state` (the rest, with the shards' checksums) beside them, renames the
+    folder to its own name, points `latest` at it, and keeps the newest `keep_last`. A write that
+    fails raises SaveError and leaves no folder behind."""
+    path = path_of(home, step, sharded=True)
+    try:
+        _write_atomically(temporary / STATE, lambda file: _torch_save(state, file), durable=True)
+        _sync_folder(temporary)
+        if path.exists():  # the same step saved before, by a run that resumed from an earlier one
+            _remove(path)
+        os.replace(temporary, path)
+        _write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
+        _sync_folder(home)
+    except OSError as error:
+        _remove(temporary)
+        raise SaveError(f"could not write {path} ({error.strerror or error})") from None
+    _prune(home, keep_last)
+    return path
 
 
-def load(path: Path) -> dict:
-    """Reads a checkpoint onto the CPU without running any code inside it.
+def temporary_folder(home: Path, step: int) -> Path:
+    """Where the processes write the shards of `step` before it is complete."""
+    return _temporary(path_of(home, step, sharded=True))
+
+
+def discard(temporary: Path) -> None:
+    """A sharded save that failed: its shards are removed."""
+    _remove(temporary)
+
+
+def path_of(home: Path, step: int, sharded: bool = False) -> Path:
+    return home / (f"step_{step:08d}" if sharded else f"step_{step:08d}.pt")
+
+
+def load(path: Path, verify: bool = True) -> dict:
+    """Reads a checkpoint onto the CPU without running any code inside it; a folder checkpoint's
+    shards are checked, not read (sharded.read loads them into the model where it is placed).
 
     `weights_only=True` refuses anything but tensors and plain containers, so a crafted pickle
     cannot execute. Loading onto the CPU lets a checkpoint written on any device resume on any
-    other: the runner places everything afterwards.
+    other: the runner places everything afterwards. `verify=False` skips the checksums, for the
+    processes of a job whose rank 0 has checked the same files.
     """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError) as error:
-        raise CheckpointError(f"{path} is unreadable ({error}); it may be truncated or not a checkpoint") from None
-    if damaged is not None:
-        raise CheckpointError(f"{path} is damaged: its record {damaged} no longer matches the checksum written at save")
+    if path.is_dir():
+        return _load_folder(path, verify)
+    state = _read(path, verify)
+    if isinstance(state, dict) and state.get("format_version") == 2:
+        if problems := _structure_problems(state, FORMAT_2):
+            raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
+        state = upgrade_from_2(state)
+    _check_format(path, state)
+    if problems := _structure_problems(state):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
+    return state
+
+
+def _load_folder(path: Path, verify: bool) -> dict:
+    if not (path / STATE).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no {STATE}")
+    state = _read(path / STATE, verify)
+    _check_format(path, state)
+    rest = {part: keys for part, keys in PARTS.items() if part not in sharded.PARTS}
+    if problems := _structure_problems(state, rest, {**META, "shards": dict}):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
+    if verify:
+        try:
+            sharded.verify(path, state["shards"])
+        except sharded.Refused as refusal:
+            raise CheckpointError(f"{path} was refused: {refusal}; load only checkpoints this project wrote") from None
+    return state
+
+
+def _check_format(path: Path, state: object) -> None:
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{path} has format {found!r}; this project reads formats 2 to {FORMAT_VERSION}: resume it with the "
+            f"version of the project that wrote it, or start a new run with name=<new name>"
+        )
+
+
+def _read(path: Path, verify: bool) -> object:
+    if verify:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as error:
+            raise CheckpointError(f"{path} is unreadable ({error}); it may be truncated or not a checkpoint") from None
+        if damaged is not None:
+            raise CheckpointError(
+                f"{path} is damaged: its record {damaged} no longer matches the checksum written at save"
+            )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -195,18 +279,6 @@ def load(path: Path) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
-    if isinstance(state, dict) and state.get("format_version") == 2:
-        if problems := _structure_problems(state, FORMAT_2):
-            raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
-        state = upgrade_from_2(state)
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(
-            f"{path} has format {found!r}; this project reads formats 2 to {FORMAT_VERSION}: resume it with the "
-            f"version of the project that wrote it, or start a new run with name=<new name>"
-        )
-    if problems := _structure_problems(state):
-        raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
     return state
 
 
@@ -241,12 +313,12 @@ def upgrade_from_2(state: dict) -> dict:
     return {**state, "format_version": 3, "position": position, "rng": {"ranks": [rng]}}
 
 
-def _structure_problems(state: dict, parts: dict = PARTS) -> list[str]:
+def _structure_problems(state: dict, parts: dict = PARTS, meta: dict = META) -> list[str]:
     """What is missing or malformed, checked at load: such a checkpoint is named in one line (and
     skipped by resume=last) instead of failing mid-restore. The values inside a part are the
     part's own to check, when it loads them."""
-    problems = [f"{key} is missing" for key in (*META, *parts) if key not in state]
-    expected = {**META, **dict.fromkeys(parts, dict)}
+    problems = [f"{key} is missing" for key in (*meta, *parts) if key not in state]
+    expected = {**meta, **dict.fromkeys(parts, dict)}
     problems += [
         f"{key} is a {type(state[key]).__name__}"
         for key, kind in expected.items()
@@ -259,7 +331,7 @@ def _structure_problems(state: dict, parts: dict = PARTS) -> list[str]:
         problems.append(f"step={state['step']!r} is not a count")
     if not isinstance(state["device"].get("type"), str):
         problems.append("device.type is missing")
-    if odd := [key for key, value in state["model"].items() if not torch.is_tensor(value)]:
+    if odd := [key for key, value in state.get("model", {}).items() if not torch.is_tensor(value)]:
         problems.append(f"model holds non-tensors at {', '.join(map(str, odd[:3]))}")
     return problems
 
@@ -268,7 +340,8 @@ def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
     """What `resume=` names, loaded: None (start fresh), `last`, `auto` or a path.
 
     `last` and `auto` take the newest checkpoint in `home` that loads; `last` fails when there is
-    none, `auto` starts fresh. A path names a checkpoint file, or a folder to search the same way.
+    none, `auto` starts fresh. A path names a checkpoint (a file, or a folder of shards), or a
+    folder to search the same way.
     """
     if resume is None:
         return None
@@ -288,14 +361,14 @@ def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
             log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
         return found
     path = Path(resume).expanduser().resolve()
-    if path.is_dir():
+    if path.is_dir() and not (path / STATE).exists():
         found = newest_valid(path)
         if found is None:
             raise RunError(
                 f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last"
             )
         return found
-    if path.is_file():
+    if path.exists():
         return path, load(path)
     raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
 
@@ -335,7 +408,11 @@ def set_aside_newer(home: Path, step: int) -> Path | None:
 def _steps(home: Path) -> list[tuple[int, Path]]:
     if not home.is_dir():
         return []
-    return [(int(match[1]), path) for path in home.iterdir() if (match := NAME.fullmatch(path.name))]
+    return [
+        (int(match[1]), path)
+        for path in home.iterdir()
+        if (match := NAME.fullmatch(path.name)) and (match[2] is None) == path.is_dir()  # step_N/ or step_N.pt
+    ]
 
 
 def _prune(home: Path, keep_last: int) -> None:

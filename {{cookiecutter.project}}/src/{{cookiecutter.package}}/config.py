@@ -28,7 +28,9 @@ from .errors import RunError
 class DeviceConfig:
     type: str = MISSING  # cpu | cuda | xpu | auto
     index: int = 0
-    backend: str | None = None  # of the process group under strategy=ddp; None: gloo, or nccl on cuda, xccl on xpu
+    backend: str | None = (
+        None  # of the process group under strategy=ddp or fsdp; None: gloo, or nccl on cuda, xccl on xpu
+    )
     amp_dtype: str = MISSING  # the autocast dtype that suits the device: what amp=auto uses
     pin_memory: bool = False
     non_blocking: bool = False
@@ -84,8 +86,10 @@ class TrainerConfig:
 
 @dataclass
 class StrategyConfig:
-    type: str = MISSING  # single: one process | ddp: one per device, started by torchrun (distributed.py)
+    type: str = MISSING  # single: one process | ddp, fsdp: one per device, started by torchrun (distributed.py)
     find_unused_parameters: bool = False  # ddp: for models whose forward skips some parameters
+    blocks: list[str] = field(default_factory=list)  # fsdp: class names of the modules sharded as units
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after each forward (less memory)
     timeout_s: int = 1800  # how long a rank waits for the others at a collective step before failing
 
 
@@ -156,7 +160,7 @@ def check_values(cfg: Config) -> None:
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 CHOICES = {
-    "strategy.type": ("single", "ddp"),
+    "strategy.type": ("single", "ddp", "fsdp"),
     "checkpoint.continuity.on_mismatch": ("warn", "error"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
 }

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import TrainerConfig
 from .errors import RunError
@@ -66,8 +67,13 @@ class Divergence:
 
 
 def nonfinite_weights(model: nn.Module) -> list[str]:
-    """The parameters and buffers holding a NaN or an infinity, by name (one host sync)."""
-    tensors = [(name, tensor) for name, tensor in model.state_dict().items() if tensor.is_floating_point()]
+    """The parameters and buffers holding a NaN or an infinity, by name (one host sync); of a
+    sharded model, in this process's shards."""
+    tensors = [
+        (name, tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point()
+    ]
     if not tensors:
         return []
     finite = torch.stack([tensor.isfinite().all() for _, tensor in tensors]).tolist()

@@ -7,6 +7,7 @@ across processes once training runs on several.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,10 +37,12 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
     # NaN kept, not dropped with a warning (torchmetrics' default): a NaN loss must show.
     loss = MeanMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device)
     metrics = run.metrics if shared else {}
-    for inputs, targets in loader:
+    for inputs, targets in batches(loader, run, shared):
         inputs, targets = run.place(inputs), run.place(targets)
         with autocast(run.cfg.amp, run.device):
             outputs = run.model(inputs)
+        if not len(targets):
+            continue
         outputs = outputs.float()
         loss.update(run.criterion(outputs, targets), weight=len(targets))
         for metric in metrics.values():
@@ -50,3 +53,16 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
         results[f"val/{name}"] = metric.compute().item()
         metric.reset()
     return results
+
+
+def batches(loader: DataLoader, run: Run, shared: bool) -> Iterator[list[torch.Tensor]]:
+    """The loader's batches; then, under strategy=fsdp, where each forward gathers parameters from
+    every process (a collective step), empty batches until this process has run as many forwards
+    as the process whose share of the samples has the most batches."""
+    count = 0
+    for batch in loader:
+        count += 1
+        yield batch
+    if run.world.sharded and shared:
+        for _ in range(run.world.max(count) - count):
+            yield [tensor[:0] for tensor in batch]

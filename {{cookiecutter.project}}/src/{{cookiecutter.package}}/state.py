@@ -7,12 +7,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from . import checkpoints
-from .checkpoints import CheckpointError
+from . import checkpoints, sharded
+from .checkpoints import CheckpointError, SaveError
 from .continuity import amp_setting
 from .devices import describe
 from .errors import RunError
@@ -27,7 +26,9 @@ log = logging.getLogger(__name__)
 
 def save(run: Run) -> Path:
     """Writes a checkpoint of everything needed to continue exactly, and logs the probe's loss
-    measured for it as `checkpoint/loss`."""
+    measured for it as `checkpoint/loss`. Sharded (strategy=fsdp): a folder, in which every
+    process writes its shards of the model and optimizer, and rank 0 the rest."""
+    in_shards = sharded.PARTS if run.world.sharded else ()
     state = {
         "format_version": checkpoints.FORMAT_VERSION,
         "step": run.step,
@@ -35,22 +36,48 @@ def save(run: Run) -> Path:
         "device": {"type": run.device.type, "name": describe(run.device)},
         "amp": amp_setting(run.cfg),
         "versions": library_versions(),
-        **{name: getattr(run, name).state_dict() for name in checkpoints.PARTS},
+        **{name: getattr(run, name).state_dict() for name in checkpoints.PARTS if name not in in_shards},
     }
     # Built on every rank (the random state is gathered from all), written by rank 0 alone.
-    path = run.world.on_main(lambda: checkpoints.save(state, run.home, run.step, run.cfg.checkpoint.keep_last))
+    if run.world.sharded:
+        path = save_sharded(run, state)
+    else:
+        path = run.world.on_main(lambda: checkpoints.save(state, run.home, run.step, run.cfg.checkpoint.keep_last))
     run.tracker.log_metrics({"checkpoint/loss": run.probe.loss}, run.step)
     run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
     return path
 
 
-def restore(run: Run, saved: dict) -> None:
+def save_sharded(run: Run, state: dict) -> Path:
+    """The shards into a folder under a temporary name, then rank 0 completes it: until then no
+    resume can pick it, so a process that dies mid-save leaves the previous checkpoint the newest."""
+    home, step = run.home, run.step
+    temporary = run.world.broadcast(checkpoints.temporary_folder(home, step) if run.world.is_main else None)
+    try:
+        files = sharded.write(run.model, run.optimizer, temporary, run.world)
+    except Exception as error:  # DCP raises its CheckpointException on every process, the cause inside
+        run.world.on_main(lambda: checkpoints.discard(temporary))
+        raise SaveError(f"could not write the shards of step {step} to {temporary} ({error})") from None
+    return run.world.on_main(
+        lambda: checkpoints.save_folder({**state, "shards": files}, temporary, home, step, run.cfg.checkpoint.keep_last)
+    )
+
+
+def restore(run: Run, path: Path, saved: dict) -> None:
     """Loads a checkpoint into parts that are already on their device, after checking that it can
-    belong to this model and optimizer; the config's hyperparameters stay this run's."""
-    check_fits(run, saved)
+    belong to this model and optimizer; the config's hyperparameters stay this run's. A sharded
+    checkpoint loads on any number of processes; a one-file checkpoint into a sharded model too."""
+    check_fits(run, path, saved)
     report_changes(saved, run)
     configured = hyperparameters(run.optimizer)
+    if "shards" in saved:  # every process reads the parts of the shards it holds now
+        sharded.read(run.model, run.optimizer, path)
+    elif run.world.sharded:
+        sharded.read_whole(run.model, run.optimizer, saved["model"], saved["optimizer"])
+    loaded_already = sharded.PARTS if "shards" in saved or run.world.sharded else ()
     for name in checkpoints.PARTS:
+        if name in loaded_already:
+            continue
         try:
             getattr(run, name).load_state_dict(saved[name])
         except (KeyError, ValueError, TypeError, IndexError) as error:
@@ -58,12 +85,13 @@ def restore(run: Run, saved: dict) -> None:
                 f"the checkpoint's {name} does not load ({error}); resume from another checkpoint, "
                 f"or start a new run with name=<new name>"
             ) from None
+    saved_lr = run.optimizer.param_groups[0]["lr"]
     keep_configured(run.optimizer, run.scheduler, configured)
-    report_lr_move(saved, run)
+    report_lr_move(saved, saved_lr, run)
     run.step = saved["step"]
 
 
-def check_fits(run: Run, saved: dict) -> None:
+def check_fits(run: Run, path: Path, saved: dict) -> None:
     """Fails, naming the mismatch, when the checkpoint cannot belong to this optimizer or model."""
     before, now = saved["config"]["optimizer"].get("_target_"), run.cfg.optimizer._target_
     if before != now:
@@ -71,17 +99,19 @@ def check_fits(run: Run, saved: dict) -> None:
             f"the checkpoint was trained with optimizer {before}, this run asks for {now}; resume with the "
             f"optimizer it was trained with, or start a new run with name=<new name>"
         )
-    check_model_fits(run.model, saved["model"])
+    saved_shapes = sharded.shapes(path) if "shards" in saved else {k: tuple(v.shape) for k, v in saved["model"].items()}
+    check_model_fits(run.model, saved_shapes)
 
 
-def check_model_fits(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    current = model.state_dict()
+def check_model_fits(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
+    """`saved`: the checkpoint's model tensors and their shapes (whole, for sharded ones)."""
+    current = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     missing = sorted(current.keys() - saved.keys())
     unexpected = sorted(saved.keys() - current.keys())
     reshaped = [
-        f"{key} {tuple(saved[key].shape)} in the checkpoint vs {tuple(current[key].shape)} now"
+        f"{key} {saved[key]} in the checkpoint vs {current[key]} now"
         for key in sorted(current.keys() & saved.keys())
-        if saved[key].shape != current[key].shape
+        if saved[key] != current[key]
     ]
     problems = [f"missing from the checkpoint: {', '.join(missing)}"] if missing else []
     problems += [f"not in this model: {', '.join(unexpected)}"] if unexpected else []
@@ -108,10 +138,10 @@ def report_changes(saved: dict, run: Run) -> None:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
 
 
-def report_lr_move(saved: dict, run: Run) -> None:
+def report_lr_move(saved: dict, before: float, run: Run) -> None:
     """A resume that moves the learning rate says so, with the way to keep the old schedule: a
     longer trainer.max_steps stretches the default schedule, and the lr jumps up mid-decay."""
-    before, now = saved["optimizer"]["param_groups"][0]["lr"], run.optimizer.param_groups[0]["lr"]
+    now = run.optimizer.param_groups[0]["lr"]
     if now == before:
         return
     horizon, wanted = saved["config"]["scheduler"].get("total_steps"), run.cfg.scheduler.get("total_steps")

@@ -52,7 +52,7 @@ class Run:
     home: Path  # where this run's checkpoints live
     data: Data
     val_loader: DataLoader  # this process's share of the validation set
-    model: nn.Module  # what is saved, evaluated and audited
+    model: nn.Module  # what is saved, evaluated and audited (under fsdp, sharded in place)
     wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
     criterion: nn.Module
     metrics: dict[str, Metric]
@@ -124,7 +124,7 @@ def train_in(cfg: Config, world: World) -> dict:
             finally:
                 run.tracker.finish(status)
 
-    newest = checkpoints.path_of(home, run.step)
+    newest = checkpoints.path_of(home, run.step, world.sharded)
     if status == "KILLED":
         log.info(f"stopped at step {run.step} by {preemption.received.name}; saved {newest}; continue with resume=last")
         raise SystemExit(128 + preemption.received)
@@ -151,13 +151,23 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict]
     device = world.device
     # 3. The data, then the whole model, with any structural change (a new head, frozen layers)
     #    made in its constructor: the move below carries only the submodules that exist now.
+    #    Under strategy=fsdp on the meta device: shapes only, no memory until it is sharded.
     data = components.build("data", cfg.data)
     if not isinstance(data, Data):
         raise RunError(f"data ({cfg.data._target_}) returned a {type(data).__name__}; it must return data.Data")
-    model = components.build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
 
-    # 4. Model, loss and metrics to the device.
-    model.to(device, memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format)
+    def build_model() -> nn.Module:
+        return components.build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+
+    with torch.device("meta") if world.sharded else contextlib.nullcontext():
+        model = build_model()
+
+    # 4. Model, loss and metrics to the device. Under fsdp the model is sharded first and then
+    #    given memory on the device, each process only its shard, set to the weights rank 0 builds.
+    if world.sharded:
+        distributed.shard(model, world, cfg, build_model)
+    else:
+        model.to(device, memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format)
     criterion = components.build("loss", cfg.loss).to(device)
     metrics = build_metrics(cfg.metrics, data.num_classes, device)
 
@@ -193,7 +203,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict]
     #    Every rank loads the same checkpoint, the one rank 0 chose, into its own copy.
     found = locate(cfg.resume, home, world)
     if found is not None:
-        state.restore(run, found[1])
+        state.restore(run, *found)
         world.on_main(lambda: set_aside_newer(home, run.step))
 
     # 8. Optimize for the device after the restore, so that it starts from the restored state.
@@ -214,7 +224,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict]
 
 
 def locate(resume: str | None, home: Path, world: World) -> tuple[Path, dict] | None:
-    """The checkpoint `resume=` names, as rank 0 finds it, loaded on every rank."""
+    """The checkpoint `resume=` names, as rank 0 finds and verifies it, loaded on every rank."""
     found = None
 
     def find() -> Path | None:
@@ -223,7 +233,7 @@ def locate(resume: str | None, home: Path, world: World) -> tuple[Path, dict] | 
         return found and found[0]
 
     path = world.on_main(find)
-    return found if world.is_main or path is None else (path, checkpoints.load(path))
+    return found if world.is_main or path is None else (path, checkpoints.load(path, verify=False))
 
 
 def set_aside_newer(home: Path, step: int) -> None:
@@ -357,7 +367,7 @@ class Saver:
 
     def final(self) -> None:
         """The save at the end (or at a signal), which must succeed or the run fails."""
-        if self.newest == checkpoints.path_of(self.run.home, self.run.step):
+        if self.newest == checkpoints.path_of(self.run.home, self.run.step, self.run.world.sharded):
             return
         try:
             self._save()
@@ -374,7 +384,10 @@ class Saver:
         # A model that no longer computes numbers stays broken whatever follows: saved, it would
         # become resume=last and push the good checkpoints out. This RunError ends the run.
         loss = self.run.probe.measure(self.run)
-        broken = nonfinite_weights(self.run.model) + ([] if math.isfinite(loss) else [f"probe loss {loss}"])
+        weights = nonfinite_weights(self.run.model)
+        if self.run.world.sharded:  # each process sees its own shards; all must stop together
+            weights = sorted(set().union(*self.run.world.gather(weights)))
+        broken = weights + ([] if math.isfinite(loss) else [f"probe loss {loss}"])
         if broken:
             raise RunError(
                 f"the model is no longer finite at step {self.run.step} ({', '.join(broken[:3])}"

@@ -1,0 +1,138 @@
+"""What does a sharded checkpoint (strategy=fsdp) cost over bare torch.distributed.checkpoint?
+
+Shards an MLP over two processes (FSDP2, gloo, CPU) with AdamW state, then times, alternating
+within one run so that both sides see the same machine:
+- save: the project's (shards, their checksums, state.pt, fsyncs, the rename, `latest`) against a
+  bare `dcp.save` of the same model and optimizer state;
+- restore: the project's (checksums verified, restricted metadata unpickler, `dcp.load`, set
+  into the model) against a bare `dcp.load` + `set_state_dict`;
+- the stall of `dcp.async_save` (until training could go on) against the synchronous `dcp.save`.
+It prints the medians and their ratios.
+
+    python bench/sharded_checkpoint.py [--width 4096] [--repeats 5]
+
+It starts itself under torchrun. The default width gives ~50M parameters (~600 MB with AdamW).
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from {{cookiecutter.package}} import checkpoints, sharded
+from {{cookiecutter.package}}.distributed import World
+
+
+def timed(times: list[float], work, *arguments, **keywords):
+    """Appends to `times` how long `work(...)` takes on the slowest process, and returns its result."""
+    dist.barrier()
+    started = time.perf_counter()
+    result = work(*arguments, **keywords)
+    dist.barrier()
+    times.append(time.perf_counter() - started)
+    return result
+
+
+def measure(width: int, repeats: int, scratch: Path) -> None:
+    dist.init_process_group("gloo")
+    world = World(torch.device("cpu"), dist.get_rank(), dist.get_rank(), dist.get_world_size(), "gloo", sharded=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(3)))
+    mesh = init_device_mesh("cpu", (world.size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()  # the optimizer's state exists, as in a checkpoint taken mid-run
+    home = Path(world.broadcast(str(scratch)))
+    times: dict[str, list[float]] = {key: [] for key in ("bare save", "save", "bare restore", "restore", "async stall")}
+
+    def ours_save(step: int) -> None:
+        temporary = world.broadcast(checkpoints.temporary_folder(home, step) if world.is_main else None)
+        files = sharded.write(model, optimizer, temporary, world)
+        world.on_main(lambda: checkpoints.save_folder(minimal_state(step, files), temporary, home, step, keep_last=1))
+
+    def ours_restore(step: int) -> None:
+        path = checkpoints.path_of(home, step, sharded=True)
+        world.on_main(lambda: checkpoints.load(path))  # rank 0 verifies, as the recipe's `locate`
+        sharded.read(model, optimizer, path)
+
+    def state_now() -> dict:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def bare_save(folder: Path) -> None:
+        dcp.save(state_now(), checkpoint_id=folder)
+
+    def start_async_save(folder: Path):
+        return dcp.async_save(state_now(), checkpoint_id=folder)
+
+    def bare_restore(folder: Path) -> None:
+        state = state_now()
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    for step in range(1, repeats + 1):
+        bare = home / f"bare-{step}"
+        timed(times["bare save"], bare_save, bare)
+        timed(times["save"], ours_save, step)
+        timed(times["bare restore"], bare_restore, bare)
+        timed(times["restore"], ours_restore, step)
+        pending = timed(times["async stall"], start_async_save, home / f"async-{step}")
+        pending.result()
+        if world.is_main:
+            shutil.rmtree(bare)
+    if world.is_main:
+        median = {key: statistics.median(values) for key, values in times.items()}
+        parameters = sum(p.numel() for p in model.parameters())
+        print(f"{parameters / 1e6:.0f}M parameters with AdamW state, 2 processes (gloo, CPU), median of {repeats}:")
+        for key, value in median.items():
+            print(f"  {key:13} {value * 1000:8.1f} ms")
+        print(f"save / bare dcp.save:                {median['save'] / median['bare save']:.2f}x (target <= 1.15x)")
+        print(
+            f"restore / bare dcp.load:             {median['restore'] / median['bare restore']:.2f}x (target <= 1.15x)"
+        )
+        print(f"dcp.async_save stall / dcp.save:     {median['async stall'] / median['bare save']:.2f}x")
+    dist.destroy_process_group()
+
+
+def minimal_state(step: int, files: dict) -> dict:
+    """What state.pt holds beside the checksums, in form: next to the shards its parts are small."""
+    parts = {
+        "scheduler": {"last_epoch": step},
+        "scaler": {},
+        "position": {"epoch": 0, "sample": 0},
+        "probe": {"indices": torch.arange(256), "loss": 0.0},
+        "tracker": {"run_id": None},
+        "rng": {"ranks": []},
+    }
+    meta = {"config": {}, "device": {"type": "cpu"}, "amp": {}, "versions": {}}
+    return {"format_version": checkpoints.FORMAT_VERSION, "step": step, **meta, **parts, "shards": files}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    arguments = parser.parse_args()
+    if "RANK" in os.environ:
+        measure(arguments.width, arguments.repeats, Path(os.environ["BENCH_SCRATCH"]))
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
+            environment = {**os.environ, "BENCH_SCRATCH": scratch, "OMP_NUM_THREADS": "1"}
+            subprocess.run([*command, *sys.argv[1:]], env=environment, check=True)

@@ -1,0 +1,169 @@
+"""The model and optimizer of a sharded run (strategy=fsdp) in a checkpoint folder, through
+torch.distributed.checkpoint (DCP): every process writes its own shards, and any number of
+processes (one without a process group included) reads them back, each taking what it holds.
+
+DCP trusts its files more than this project does: it unpickles `.metadata` with plain
+`pickle.load`, and loads non-tensor values with `torch.load(weights_only=False)`, so a crafted
+checkpoint could run code. Here the metadata goes through an unpickler that admits only DCP's own
+metadata classes, and the values through `weights_only=True`. And since DCP keeps no checksums,
+each shard file's CRC-32 is taken at save (checkpoints.py stores them beside the shards) and
+checked before a load.
+
+The folder's layout (temporary name, rename, `latest`, retention) is checkpoints.py's.
+"""
+
+import io
+import pickle
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from .distributed import World
+
+PARTS = ("model", "optimizer")  # the checkpoint parts that DCP writes; rank 0 writes the others
+METADATA = ".metadata"
+
+
+class Refused(Exception):
+    """A shard folder that must not be loaded: damaged, incomplete or crafted."""
+
+
+def write(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, world: World) -> dict[str, list[int]]:
+    """Writes this process's shards of the model and optimizer into `folder` (a collective step,
+    fsynced file by file), and returns, on every process, the size and CRC-32 of each file in it."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=FileSystemWriter(folder))
+    # Once dcp.save returns, every file is written: the processes checksum a share each, in parallel.
+    files = sorted(path.name for path in folder.iterdir())
+    mine = {name: [(folder / name).stat().st_size, crc32(folder / name)] for name in files[world.rank :: world.size]}
+    return {name: entry for share in world.gather(mine) for name, entry in share.items()}
+
+
+def read(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Loads the shards of `folder` into `model` and `optimizer`, whatever the number of processes
+    that wrote them (a collective step): each process reads the parts of each tensor it holds."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def read_whole(model: nn.Module, optimizer: torch.optim.Optimizer, saved_model: dict, saved_optimizer: dict) -> None:
+    """Loads a one-file checkpoint (written by strategy=single or ddp) into a sharded model and
+    its optimizer: every process holds the whole of it and keeps its shards."""
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, saved_model, options=whole)
+    # The file keys the optimizer's state by parameter number, in the order the optimizer was given
+    # the parameters (those that train, in model order); torch's sharded loader wants their names.
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    by_name = {
+        "state": {names[number]: value for number, value in saved_optimizer["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[n] for n in group["params"]]} for group in saved_optimizer["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=whole)
+
+
+def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The model's tensors in `folder`, by name, with their whole shapes (from the metadata)."""
+    entries = read_metadata(folder / METADATA).state_dict_metadata
+    return {
+        key.removeprefix("model."): tuple(entry.size)
+        for key, entry in entries.items()
+        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+    }
+
+
+def verify(folder: Path, files: dict[str, list[int]]) -> None:
+    """Raises Refused, naming the file, unless every file listed at save is there, whole and
+    unchanged, and the metadata is DCP's own."""
+    for name, (size, checksum) in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise Refused(f"its shard file {name} is missing")
+        if path.stat().st_size != size or crc32(path) != checksum:
+            raise Refused(f"its shard file {name} no longer matches the checksum written at save")
+    if METADATA not in files:
+        raise Refused(f"it has no {METADATA}")
+    read_metadata(folder / METADATA)
+
+
+def crc32(path: Path) -> int:
+    checksum = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
+
+
+def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except Refused:
+        raise
+    except Exception as error:  # whatever a damaged pickle raises
+        raise Refused(f"its {METADATA} is unreadable ({type(error).__name__})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise Refused(f"its {METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
+    return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds only what DCP's metadata is made of; any other global (os.system, a class of the
+    attacker's choosing) is refused before it can be called."""
+
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # looks up a tensor layout by name
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise Refused(f"its {METADATA} asks for {module}.{name}, which is not DCP metadata and could run code")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        # As FileSystemReader.read_metadata finishes it.
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor values (learning rates, betas) as plain values only."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # refuses anything else before DCP's own, unrestricted load
+        value.seek(0)
+        super().load_bytes(read_item, value)
