@@ -78,8 +78,12 @@ def measure(width: int, repeats: int, scratch: Path) -> None:
     def bare_save(folder: Path) -> None:
         dcp.save(state_now(), checkpoint_id=folder)
 
+    # The background save's collectives get a group of their own: sharing the default one with the
+    # barriers of the training thread deadlocks.
+    background = dist.new_group(backend="gloo")
+
     def start_async_save(folder: Path):
-        return dcp.async_save(state_now(), checkpoint_id=folder)
+        return dcp.async_save(state_now(), checkpoint_id=folder, process_group=background)
 
     def bare_restore(folder: Path) -> None:
         state = state_now()
