@@ -145,6 +145,16 @@ def test_sharded_and_one_file_checkpoints_resume_each_other(project):
 
 
 @pytest.mark.slow
+def test_fp16_with_its_grad_scaler_round_trips_through_a_sharded_checkpoint(project):
+    """A known failure elsewhere (accelerate issue 4289): the scaler's state lost on resume."""
+    train_alone(project, "amp=fp16", "trainer.max_steps=10")
+    output = train_alone(project, "amp=fp16", "trainer.max_steps=20", "resume=last")
+    assert "resumed at step 10 on cpu" in output and "(ok)" in output
+    saved = checkpoints.load(project / "checkpoints" / "demo" / "step_00000020")
+    assert saved["scaler"]["_growth_tracker"] == 20  # counted on from the saved 10, not restarted
+
+
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda")
 def test_fsdp_with_nccl_on_every_gpu_trains_in_bf16_and_resumes(project):
