@@ -7,13 +7,15 @@ import os
 import shutil
 import socket
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import hold
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}} import checkpoints, sharded
 from {{cookiecutter.package}}.checkpoints import CheckpointError, SaveError
 from {{cookiecutter.package}}.errors import RunError
 
@@ -357,3 +359,58 @@ def test_a_checkpoint_retention_may_not_delete_stays_with_a_warning_and_saving_g
         subprocess.run(["chattr", "-i", str(protected)], check=True)
     assert f"could not remove {protected} (Operation not permitted); it stays" in caplog.text
     assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+
+
+def save_folder(home: Path, step: int, keep_last: int = 3) -> Path:
+    """A sharded checkpoint as the processes leave it for rank 0 to complete (written here by one
+    process, without a process group): shards in a temporary folder, then `save_folder`."""
+    temporary = checkpoints.temporary_folder(home, step)
+    writer = sharded.ChecksummingWriter(temporary)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
+        dcp.save({"model": state(step)["model"]}, storage_writer=writer)
+    rest = {key: value for key, value in state(step).items() if key not in sharded.PARTS}
+    return checkpoints.save_folder({**rest, "shards": writer.files}, temporary, home, step, keep_last)
+
+
+def test_sharded_checkpoints_are_folders_kept_set_aside_and_cleaned_up_as_files_are(tmp_path):
+    (tmp_path / "step_7").mkdir()  # a user's folder, not named as this module names checkpoints
+    (tmp_path / "step_00000099").write_text("a file where a folder checkpoint would be")
+    for step in (10, 20, 30, 40):
+        path = save_folder(tmp_path, step)
+    assert path == tmp_path / "step_00000040" and (tmp_path / "latest").read_text() == "step_00000040"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "latest", "step_00000020", "step_00000030", "step_00000040", "step_00000099", "step_7"
+    ]  # fmt: skip
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 40
+
+    folder = checkpoints.set_aside_newer(tmp_path, 20)
+    assert sorted(path.name for path in folder.iterdir()) == ["step_00000030", "step_00000040"]
+    assert (folder / "step_00000040" / checkpoints.STATE).is_file()
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+
+    leftover = checkpoints.temporary_folder(tmp_path, 50)  # a save cut short by kill -9
+    leftover.mkdir()
+    (leftover / "__1_0.distcp").write_bytes(b"half")
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 20  # never taken for a checkpoint
+    with checkpoints.claim(tmp_path):
+        pass
+    assert not leftover.exists() and (tmp_path / "step_7").is_dir()
+
+
+def test_a_sharded_checkpoint_whose_shard_is_missing_or_cut_short_is_named_and_skipped(tmp_path, caplog):
+    save_folder(tmp_path, 10)
+    newest = save_folder(tmp_path, 20)
+    state_file = newest / checkpoints.STATE
+    saved = torch.load(state_file, weights_only=True)
+    size, checksum = saved["shards"]["__0_0.distcp"]
+    torch.save({**saved, "shards": {**saved["shards"], "__0_0.distcp": [size, checksum ^ 1]}}, state_file)
+    with pytest.raises(CheckpointError, match="step_00000020 was refused: its shard file __0_0.distcp no longer"):
+        checkpoints.load(newest)
+    (newest / "__0_0.distcp").write_bytes(b"cut")
+    with pytest.raises(CheckpointError, match="its shard file __0_0.distcp is truncated or extended"):
+        checkpoints.load(newest)
+    (newest / "__0_0.distcp").unlink()
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+    assert "its shard file __0_0.distcp is missing" in caplog.text

@@ -12,9 +12,13 @@ checked before a load.
 The folder's layout (temporary name, rename, `latest`, retention) is checkpoints.py's.
 """
 
+import contextlib
 import io
+import os
 import pickle
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -45,11 +50,9 @@ def write(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, worl
     """Writes this process's shards of the model and optimizer into `folder` (a collective step,
     fsynced file by file), and returns, on every process, the size and CRC-32 of each file in it."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=FileSystemWriter(folder))
-    # Once dcp.save returns, every file is written: the processes checksum a share each, in parallel.
-    files = sorted(path.name for path in folder.iterdir())
-    mine = {name: [(folder / name).stat().st_size, crc32(folder / name)] for name in files[world.rank :: world.size]}
-    return {name: entry for share in world.gather(mine) for name, entry in share.items()}
+    writer = ChecksummingWriter(folder)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+    return {name: entry for share in world.gather(writer.files) for name, entry in share.items()}
 
 
 def read(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -90,12 +93,17 @@ def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def verify(folder: Path, files: dict[str, list[int]]) -> None:
     """Raises Refused, naming the file, unless every file listed at save is there, whole and
-    unchanged, and the metadata is DCP's own."""
-    for name, (size, checksum) in sorted(files.items()):
+    unchanged, and the metadata is DCP's own. The files are checked in parallel threads (zlib
+    releases the GIL while it computes), one file per core: DCP writes one or more per process."""
+    for name, (size, _) in sorted(files.items()):
         path = folder / name
-        if not path.is_file():
-            raise Refused(f"its shard file {name} is missing")
-        if path.stat().st_size != size or crc32(path) != checksum:
+        if not path.is_file() or path.stat().st_size != size:
+            raise Refused(f"its shard file {name} is {'missing' if not path.is_file() else 'truncated or extended'}")
+    names = sorted(files)
+    with ThreadPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1) or 1) as pool:
+        found = dict(zip(names, pool.map(lambda name: crc32(folder / name), names), strict=True))
+    for name in names:
+        if found[name] != files[name][1]:
             raise Refused(f"its shard file {name} no longer matches the checksum written at save")
     if METADATA not in files:
         raise Refused(f"it has no {METADATA}")
@@ -146,6 +154,54 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         raise Refused(f"its {METADATA} asks for {module}.{name}, which is not DCP metadata and could run code")
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer, taking each file's size and CRC-32 from the bytes as it writes them
+    (front to back: nothing is read back afterwards)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.files: dict[str, list[int]] = {}  # written by this process: name -> [size, CRC-32]
+        self.fs = _ChecksummingFileSystem(self.files)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    def __init__(self, files: dict[str, list[int]]) -> None:
+        self.files = files
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _Checksummed(stream)
+            yield counted
+        self.files[Path(path).name] = [counted.size, counted.crc]
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata under a temporary name
+        super().rename(path, new_path)
+        self.files[Path(new_path).name] = self.files.pop(Path(path).name)
+
+
+class _Checksummed:
+    """A file being written, counting and checksumming what passes through `write`."""
+
+    def __init__(self, stream: io.IOBase) -> None:
+        self.stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        written = self.stream.write(data)
+        self.size += written
+        return written
+
+    def seek(self, *arguments) -> int:  # a writer that went back would invalidate the running CRC
+        raise io.UnsupportedOperation("checksummed streams are written front to back")
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 class SafeReader(FileSystemReader):
