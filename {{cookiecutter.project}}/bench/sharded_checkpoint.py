@@ -37,7 +37,9 @@ from {{cookiecutter.package}}.distributed import World
 
 
 def timed(times: list[float], work, *arguments, **keywords):
-    """Appends to `times` how long `work(...)` takes on the slowest process, and returns its result."""
+    """Appends to `times` how long `work(...)` takes on the slowest process, and returns its result.
+    Dirty pages are written out first, so that no operation pays for the previous one's writes."""
+    os.sync()
     dist.barrier()
     started = time.perf_counter()
     result = work(*arguments, **keywords)
@@ -64,7 +66,8 @@ def measure(width: int, repeats: int, scratch: Path) -> None:
     def ours_save(step: int) -> None:
         temporary = world.broadcast(checkpoints.temporary_folder(home, step) if world.is_main else None)
         files = sharded.write(model, optimizer, temporary, world)
-        world.on_main(lambda: checkpoints.save_folder(minimal_state(step, files), temporary, home, step, keep_last=1))
+        # Retention happens outside the timing, as the bare side's deletion does.
+        world.on_main(lambda: checkpoints.save_folder(minimal_state(step, files), temporary, home, step, repeats))
 
     def ours_restore(step: int) -> None:
         path = checkpoints.path_of(home, step, sharded=True)
@@ -92,14 +95,19 @@ def measure(width: int, repeats: int, scratch: Path) -> None:
 
     for step in range(1, repeats + 1):
         bare = home / f"bare-{step}"
-        timed(times["bare save"], bare_save, bare)
-        timed(times["save"], ours_save, step)
-        timed(times["bare restore"], bare_restore, bare)
-        timed(times["restore"], ours_restore, step)
+        # Each pair in turns, bare first then ours first: neither always follows the other.
+        pairs = [
+            [(times["bare save"], bare_save, bare), (times["save"], ours_save, step)],
+            [(times["bare restore"], bare_restore, bare), (times["restore"], ours_restore, step)],
+        ]
+        for pair in pairs:
+            for measured in pair if step % 2 else reversed(pair):
+                timed(*measured)
         pending = timed(times["async stall"], start_async_save, home / f"async-{step}")
         pending.result()
         if world.is_main:
             shutil.rmtree(bare)
+            shutil.rmtree(checkpoints.path_of(home, step, sharded=True))
     if world.is_main:
         median = {key: statistics.median(values) for key, values in times.items()}
         parameters = sum(p.numel() for p in model.parameters())

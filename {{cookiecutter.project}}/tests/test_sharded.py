@@ -39,7 +39,7 @@ class Payload:
 def reseal(folder: Path, name: str) -> None:
     """Gives a changed shard file its new checksum in state.pt, as an attacker who rewrites both would."""
     state = torch.load(folder / checkpoints.STATE, weights_only=True)
-    state["shards"][name] = [(folder / name).stat().st_size, sharded.crc32(folder / name)]
+    state["shards"][name] = [(folder / name).stat().st_size, sharded.checksum(folder / name)]
     torch.save(state, folder / checkpoints.STATE)
 
 

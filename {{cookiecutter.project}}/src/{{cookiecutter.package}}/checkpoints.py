@@ -6,8 +6,8 @@ holding every process's shards of the model and optimizer (sharded.py) and a `st
 rest. Either is written under a temporary name, fsynced and only then renamed to its own, so a
 crash at any instant, of any process, mid-save included, leaves the previous checkpoint the newest
 whole one. What the rename cannot prevent, a file damaged after it was written (a truncated copy,
-a bad disk), checksums reveal: the CRC-32 that torch.save stores for every record, and those of
-the shard files taken at save; `load` checks them all, which torch.load alone does not.
+a bad disk), checksums reveal: the CRC-32 that torch.save stores for every record, and the CRC-32C
+of each shard file taken at save; `load` checks them all, which torch.load alone does not.
 
 A run holds its checkpoint folder (its home) for its whole life with an OS lock, so a second run
 with the same name stops at once instead of overwriting the first; and it deletes only files

@@ -6,21 +6,23 @@ DCP trusts its files more than this project does: it unpickles `.metadata` with 
 `pickle.load`, and loads non-tensor values with `torch.load(weights_only=False)`, so a crafted
 checkpoint could run code. Here the metadata goes through an unpickler that admits only DCP's own
 metadata classes, and the values through `weights_only=True`. And since DCP keeps no checksums,
-each shard file's CRC-32 is taken at save (checkpoints.py stores them beside the shards) and
-checked before a load.
+each shard file's CRC-32C is taken as it is written (checkpoints.py stores them beside the
+shards) and checked before a load. CRC-32C, not zlib's CRC-32: the CPU computes it (SSE 4.2, ARMv8),
+about 4x faster here, and a save or restore that checks every byte pays for its speed.
 
 The folder's layout (temporary name, rename, `latest`, retention) is checkpoints.py's.
 """
 
 import contextlib
 import io
+import mmap
 import os
 import pickle
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -48,7 +50,7 @@ class Refused(Exception):
 
 def write(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, world: World) -> dict[str, list[int]]:
     """Writes this process's shards of the model and optimizer into `folder` (a collective step,
-    fsynced file by file), and returns, on every process, the size and CRC-32 of each file in it."""
+    fsynced file by file), and returns, on every process, the size and CRC-32C of each file in it."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     writer = ChecksummingWriter(folder)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
@@ -101,7 +103,7 @@ def verify(folder: Path, files: dict[str, list[int]]) -> None:
             raise Refused(f"its shard file {name} is {'missing' if not path.is_file() else 'truncated or extended'}")
     names = sorted(files)
     with ThreadPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1) or 1) as pool:
-        found = dict(zip(names, pool.map(lambda name: crc32(folder / name), names), strict=True))
+        found = dict(zip(names, pool.map(lambda name: checksum(folder / name), names), strict=True))
     for name in names:
         if found[name] != files[name][1]:
             raise Refused(f"its shard file {name} no longer matches the checksum written at save")
@@ -110,12 +112,14 @@ def verify(folder: Path, files: dict[str, list[int]]) -> None:
     read_metadata(folder / METADATA)
 
 
-def crc32(path: Path) -> int:
-    checksum = 0
+def checksum(path: Path) -> int:
+    """The file's CRC-32C, read through a memory map: no copy of its bytes is made (half the time
+    of reading it in chunks, here)."""
     with open(path, "rb") as file:
-        while chunk := file.read(1 << 24):
-            checksum = zlib.crc32(chunk, checksum)
-    return checksum
+        if os.fstat(file.fileno()).st_size == 0:
+            return 0  # what mmap cannot map, and the CRC of nothing
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return crc32c.crc32c(mapped)
 
 
 def read_metadata(path: Path) -> dcp_metadata.Metadata:
@@ -157,12 +161,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer, taking each file's size and CRC-32 from the bytes as it writes them
+    """DCP's file writer, taking each file's size and CRC-32C from the bytes as it writes them
     (front to back: nothing is read back afterwards)."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder)
-        self.files: dict[str, list[int]] = {}  # written by this process: name -> [size, CRC-32]
+        self.files: dict[str, list[int]] = {}  # written by this process: name -> [size, CRC-32C]
         self.fs = _ChecksummingFileSystem(self.files)
 
 
@@ -192,7 +196,7 @@ class _Checksummed:
         self.stream, self.size, self.crc = stream, 0, 0
 
     def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32c.crc32c(data, self.crc)
         written = self.stream.write(data)
         self.size += written
         return written
