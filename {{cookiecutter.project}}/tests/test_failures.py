@@ -2,15 +2,17 @@
 a second run with the same name, a folder that cannot take checkpoints, a schedule stretched
 by a resume. In each case nothing already saved is lost, and the run says so in one line."""
 
+import errno
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import hold, losses
 
-from {{cookiecutter.package}} import checkpoints, components
+from {{cookiecutter.package}} import checkpoints, components, sharded
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.errors import RunError
 
@@ -249,3 +251,28 @@ def test_a_resume_with_a_smaller_validation_set_names_the_probe_that_no_longer_f
         RunError, match="the checkpoint's continuity probe uses validation sample 255, but this data has 179"
     ):
         recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "data.val_fraction=0.1", "resume=last"))
+
+
+def test_a_full_disk_during_a_sharded_save_costs_a_warning_and_leaves_no_partial_folder(
+    make_cfg, checkpoint_dir, monkeypatch, caplog
+):
+    """strategy=fsdp in this process (a group of one): every process writes shards, so a write
+    can fail on any of them; the save fails on all alike and removes its temporary folder."""
+    real_write = sharded._Checksummed.write
+
+    def write(stream, data):
+        if "step_00000010." in stream.stream.name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(stream, data)
+
+    monkeypatch.setattr(sharded._Checksummed, "write", write)
+    with caplog.at_level(logging.WARNING):
+        summary = recipe.train(make_cfg(QUIET, "strategy=fsdp", *EVERY_5, "trainer.max_steps=20"))
+    assert summary["step"] == 20
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warnings[0].startswith(f"could not write the shards of step 10 to {checkpoint_dir}/step_00000010.")
+    assert "No space left on device" in warnings[0]
+    assert warnings[0].endswith(f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000005'}")
+    assert warnings[1:] == ["saving works again: step 15 is saved"]
+    names = sorted(path.name for path in checkpoint_dir.iterdir())
+    assert names == ["latest", "run.lock", "step_00000005", "step_00000015", "step_00000020"]

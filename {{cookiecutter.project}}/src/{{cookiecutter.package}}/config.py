@@ -28,9 +28,7 @@ from .errors import RunError
 class DeviceConfig:
     type: str = MISSING  # cpu | cuda | xpu | auto
     index: int = 0
-    backend: str | None = (
-        None  # of the process group under strategy=ddp or fsdp; None: gloo, or nccl on cuda, xccl on xpu
-    )
+    backend: str | None = None  # of the process group (ddp, fsdp); None: gloo, or nccl on cuda, xccl on xpu
     amp_dtype: str = MISSING  # the autocast dtype that suits the device: what amp=auto uses
     pin_memory: bool = False
     non_blocking: bool = False

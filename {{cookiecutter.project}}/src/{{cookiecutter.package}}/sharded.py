@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
@@ -48,12 +49,19 @@ class Refused(Exception):
     """A shard folder that must not be loaded: damaged, incomplete or crafted."""
 
 
+class WriteFailed(Exception):
+    """A save that some process could not complete (a full disk): the first cause, in one line."""
+
+
 def write(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, world: World) -> dict[str, list[int]]:
     """Writes this process's shards of the model and optimizer into `folder` (a collective step,
     fsynced file by file), and returns, on every process, the size and CRC-32C of each file in it."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     writer = ChecksummingWriter(folder)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+    except CheckpointException as error:  # raised on every process, with every process's traceback
+        raise WriteFailed(first_cause(error)) from None
     return {name: entry for share in world.gather(writer.files) for name, entry in share.items()}
 
 
@@ -62,7 +70,10 @@ def read(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> No
     that wrote them (a collective step): each process reads the parts of each tensor it holds."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
+    except CheckpointException as error:
+        raise Refused(f"its shards do not load ({first_cause(error)})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -81,6 +92,11 @@ def read_whole(model: nn.Module, optimizer: torch.optim.Optimizer, saved_model: 
         ],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=whole)
+
+
+def first_cause(error: CheckpointException) -> str:
+    rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+    return f"on rank {rank}: {type(cause).__name__}: {cause}".splitlines()[0]
 
 
 def shapes(folder: Path) -> dict[str, tuple[int, ...]]:

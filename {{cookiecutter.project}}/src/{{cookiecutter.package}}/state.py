@@ -55,9 +55,9 @@ def save_sharded(run: Run, state: dict) -> Path:
     temporary = run.world.broadcast(checkpoints.temporary_folder(home, step) if run.world.is_main else None)
     try:
         files = sharded.write(run.model, run.optimizer, temporary, run.world)
-    except Exception as error:  # DCP raises its CheckpointException on every process, the cause inside
+    except sharded.WriteFailed as failure:  # on every process alike
         run.world.on_main(lambda: checkpoints.discard(temporary))
-        raise SaveError(f"could not write the shards of step {step} to {temporary} ({error})") from None
+        raise SaveError(f"could not write the shards of step {step} to {temporary} ({failure})") from None
     return run.world.on_main(
         lambda: checkpoints.save_folder({**state, "shards": files}, temporary, home, step, run.cfg.checkpoint.keep_last)
     )
@@ -71,7 +71,10 @@ def restore(run: Run, path: Path, saved: dict) -> None:
     report_changes(saved, run)
     configured = hyperparameters(run.optimizer)
     if "shards" in saved:  # every process reads the parts of the shards it holds now
-        sharded.read(run.model, run.optimizer, path)
+        try:
+            sharded.read(run.model, run.optimizer, path)
+        except sharded.Refused as refusal:
+            raise CheckpointError(f"{path} was refused: {refusal}; load only checkpoints this project wrote") from None
     elif run.world.sharded:
         sharded.read_whole(run.model, run.optimizer, saved["model"], saved["optimizer"])
     loaded_already = sharded.PARTS if "shards" in saved or run.world.sharded else ()
