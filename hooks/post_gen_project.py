@@ -1,4 +1,5 @@
-"""Trim the baked project to the answers given: drop IPEX files and files Jinja left empty.
+"""Trim the baked project to the answers given (drop IPEX files and files Jinja left empty), then
+say what to type next.
 
 Cookiecutter renders this file with Jinja and runs it from the generated project root.
 """
@@ -6,6 +7,7 @@ Cookiecutter renders this file with Jinja and runs it from the generated project
 from pathlib import Path
 
 PACKAGE = "{{ cookiecutter.package }}"
+PROJECT = "{{ cookiecutter.project }}"
 # Cookiecutter keeps a boolean answer a Python bool, which Jinja renders as True or False.
 IPEX = "{{ cookiecutter.ipex }}" == "True"
 
@@ -25,5 +27,17 @@ def main() -> None:
             path.unlink()
 
 
+NEXT_STEPS = f"""
+Created {PROJECT}. Next, as its README says:
+  cd {PROJECT}
+  python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e '.[dev]'
+      (torch first, so that you choose the build: CPU, CUDA or XPU; see pytorch.org)
+  .venv/bin/python run.py                   # train the demo: seconds on a CPU
+  .venv/bin/python run.py trainer.max_steps=600 resume=last   # continue it
+  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  # then open http://127.0.0.1:5000
+"""
+
+
 if __name__ == "__main__":
     main()
+    print(NEXT_STEPS)

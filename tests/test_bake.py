@@ -3,6 +3,7 @@
 import ast
 import itertools
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +128,41 @@ def test_ipex_is_mentioned_only_when_asked_for(baked: tuple[Path, str, bool]) ->
     assert (project / "src" / DEFAULT_PACKAGE / "ipex.py").is_file()
     pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
     assert "ipex" in pyproject["project"]["optional-dependencies"]
+
+
+def test_ruff_targets_the_oldest_python_the_project_supports(bake: Bake, tmp_path: Path) -> None:
+    project = bake(tmp_path, python_min="3.12")
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["project"]["requires-python"] == ">=3.12"
+    assert pyproject["tool"]["ruff"]["target-version"] == "py312"
+
+
+def test_a_bake_ends_by_saying_what_to_type_next(tmp_path: Path) -> None:
+    """As a person bakes: the cookiecutter command, whose output they read."""
+    config = tmp_path / "cookiecutter.yaml"  # replays go here, not to the home directory
+    config.write_text(yaml.safe_dump({"replay_dir": str(tmp_path / "replay")}), encoding="utf-8")
+    cookiecutter = Path(sys.executable).with_name("cookiecutter")
+    command = [
+        str(cookiecutter),
+        "--no-input",
+        "--config-file",
+        str(config),
+        "-o",
+        str(tmp_path),
+        str(TEMPLATE.parent),
+    ]
+    result = subprocess.run(
+        [*command, "project=demo-run"], capture_output=True, text=True, check=True
+    )
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert "Created demo-run. Next, as its README says:" in lines and "cd demo-run" in lines
+    readme = (tmp_path / "demo-run" / "README.md").read_text(encoding="utf-8")
+    setup = next(line for line in lines if line.startswith("python3 -m venv"))
+    assert f"{setup} && .venv/bin/python run.py" in readme  # the README's set-up line, less the run
+    assert any(
+        line.startswith(".venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db")
+        for line in lines
+    )
 
 
 def test_package_is_derived_from_project_name(bake: Bake, tmp_path: Path) -> None:

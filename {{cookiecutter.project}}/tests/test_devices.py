@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from {{cookiecutter.package}}.config import DeviceConfig
-from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, resolve_device, set_cpu_threads
+from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, describe, resolve_device, set_cpu_threads
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.train import train
 
@@ -198,3 +198,9 @@ def test_cpu_threads_leave_a_core_free_unless_set(monkeypatch, asked, expected):
     config.cpu_threads = asked
     set_cpu_threads(config)
     assert torch.get_num_threads() == expected
+
+
+@pytest.mark.parametrize(("threads", "said"), [(1, "1 thread)"), (4, "4 threads)")])
+def test_the_cpu_is_described_with_its_threads_counted_in_english(monkeypatch, threads, said):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert describe(torch.device("cpu")).endswith(said)

@@ -428,3 +428,19 @@ def test_a_store_mlflow_cannot_build_costs_one_warning_and_training_goes_on(make
         record.getMessage() for record in caplog.records if "MLflow at foo://bar failed" in record.getMessage()
     ]
     assert warning.endswith("training goes on without tracking") and "\n" not in warning
+
+
+def test_experiments_open_in_the_model_training_view_of_the_mlflow_ui(tmp_path):
+    """Without mlflow.experimentKind, MLflow 3's UI opens an experiment on its GenAI traces page."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    older = client.create_experiment("made-before")  # by an earlier version, or by hand
+    for name in ("fresh", "made-before"):
+        experiment_id(client, MlflowConfig(enabled=True, tracking_uri=uri, experiment_name=name))
+    kinds = {
+        name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind") for name in ("fresh", "made-before")
+    }
+    assert kinds == {"fresh": "custom_model_development", "made-before": "custom_model_development"}
+    client.set_experiment_tag(older, "mlflow.experimentKind", "forecasting")  # a kind someone chose stays
+    experiment_id(client, MlflowConfig(enabled=True, tracking_uri=uri, experiment_name="made-before"))
+    assert client.get_experiment(older).tags["mlflow.experimentKind"] == "forecasting"

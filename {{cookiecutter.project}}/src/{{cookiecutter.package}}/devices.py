@@ -55,7 +55,8 @@ def describe(device: torch.device) -> str:
     if device.type in ACCELERATORS:
         return f"{device} ({getattr(torch, device.type).get_device_name(device.index)})"
     if device.type == "cpu":
-        return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        return f"cpu ({platform.machine()}, {threads} thread{'' if threads == 1 else 's'})"
     return str(device)
 
 

@@ -61,6 +61,9 @@ HAND_OVER_EVERY = 100  # metrics the training process gathers before passing the
 RETRY_SECONDS = 2.0  # how long metrics wait before the next try at a store that failed
 CLOSE_SECONDS = 60.0  # how long the end of a run waits for the sender to deliver the rest
 FOLLOWS_STORE = "artifacts_follow_store"  # tags the experiments whose artifacts live beside the store
+# MLflow 3's UI opens an experiment without a kind in its GenAI view (an empty traces page) and
+# asks which kind it is; this tag opens this project's experiments on their runs and charts.
+KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 def check_tracking_uri(cfg: MlflowConfig) -> None:
@@ -234,16 +237,19 @@ class Tracker:
 
 
 def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
-    """The id of `mlflow.experiment_name`, created on first use."""
+    """The id of `mlflow.experiment_name`, created on first use, of the model-training kind."""
     experiment = client.get_experiment_by_name(cfg.experiment_name)
     if experiment is not None:
+        if KIND not in experiment.tags:  # created before this project set it, or by hand
+            client.set_experiment_tag(experiment.experiment_id, KIND, MODEL_TRAINING)
         return experiment.experiment_id
     database = _sqlite_file(cfg.tracking_uri)
     if database is None:  # a server decides for itself
-        return client.create_experiment(cfg.experiment_name)
+        return client.create_experiment(cfg.experiment_name, tags={KIND: MODEL_TRAINING})
     # Beside the store, not in whatever folder the job started from.
     location = (database.parent / "mlruns").as_uri()
-    return client.create_experiment(cfg.experiment_name, artifact_location=location, tags={FOLLOWS_STORE: "true"})
+    tags = {KIND: MODEL_TRAINING, FOLLOWS_STORE: "true"}
+    return client.create_experiment(cfg.experiment_name, artifact_location=location, tags=tags)
 
 
 def _sqlite_file(tracking_uri: str) -> Path | None:
