@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}} import checkpoints, components
+from {{cookiecutter.package}} import checkpoints, components, progress
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.data import Position, batches, build_loader
 from {{cookiecutter.package}}.devices import to_device
@@ -138,3 +138,24 @@ def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cf
     keys = set(checkpoints.newest_valid(checkpoint_dir)[1]["model"])
     assert keys == set(digits_model(make_cfg()).state_dict())
     assert recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "resume=last"))["step"] == 20
+
+
+def test_off_a_terminal_a_progress_line_comes_at_a_logging_step_once_progress_every_s_has_passed(
+    make_cfg, monkeypatch, caplog
+):
+    """Under SLURM, nohup or CI the bar shows nothing; these lines are what the log file shows."""
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    trainer = make_cfg("trainer.max_steps=100").trainer  # progress_every_s: 30
+    with caplog.at_level(logging.INFO), progress.Progress(trainer, step=0, main=True) as shown:
+        assert shown.lines  # pytest's stdout is no terminal
+        for step, seconds in ((10, 5), (20, 30), (30, 10), (40, 25)):
+            clock[0] += seconds
+            shown.report(step, 0.5, 1234.0)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    assert lines == [
+        "step 20/100: loss 0.5000, 1234 samples/s, ETA 0:02:20",  # 35 s for 20 steps, 80 to go
+        "step 40/100: loss 0.5000, 1234 samples/s, ETA 0:01:45",  # 35 s after the last line
+    ]
+    with progress.Progress(trainer, step=0, main=False) as other_rank:
+        assert not other_rank.lines

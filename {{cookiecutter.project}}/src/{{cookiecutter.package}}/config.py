@@ -73,6 +73,7 @@ class MlflowConfig:
 class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps
     log_every_n_steps: int = MISSING
+    progress_every_s: float = 30.0  # off a terminal: a progress line at most this often (at logging steps)
     val_every_n_steps: int = MISSING
     grad_accum_steps: int = MISSING  # batches per optimizer step
     grad_clip: float | None = MISSING  # max gradient norm; null: no clipping
@@ -172,6 +173,7 @@ RULES = [
     )),
     *((key, lambda v: v >= 0, "must not be negative") for key in (
         "trainer.max_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",
+        "trainer.progress_every_s",
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
 ]  # fmt: skip

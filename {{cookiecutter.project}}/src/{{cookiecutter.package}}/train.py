@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
-from tqdm import tqdm
 
 from . import checkpoints, components, continuity, distributed, state
 from .checkpoints import SaveError
@@ -34,6 +33,7 @@ from .evaluation import build_metrics, evaluate
 from .precision import Scaler, autocast, build_scaler
 from .precision import describe as describe_amp
 from .preemption import Preemption
+from .progress import Progress
 from .provenance import record
 from .seeding import RandomState, seed_everything
 from .sweeps import current_job
@@ -251,22 +251,20 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss = Throughput(), None
-    with tqdm(
-        total=trainer.max_steps, initial=run.step, disable=None if run.world.is_main else True, desc="train"
-    ) as bar:
+    with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss = train_step(run, micro_batches)
             run.step += 1
             divergence.watch(run.step, loss)
             meter.count(run.world.size * sum(len(targets) for _, targets in micro_batches))
-            bar.update()
+            progress.step()
             if run.step % trainer.log_every_n_steps == 0:
                 divergence.check(saver.on_disk())
                 value, rates = loss.item(), meter.window()
                 lr = run.optimizer.param_groups[0]["lr"]
                 run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **rates}, run.step)
-                bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rates['train/samples_per_s']:.0f}")
+                progress.report(run.step, value, rates["train/samples_per_s"])
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
             if run.step % run.cfg.checkpoint.every_n_steps == 0:

@@ -1,0 +1,42 @@
+"""What a person watching a run sees of its progress: a bar on a terminal; off one (under SLURM,
+nohup, CI), where a bar shows nothing, a line at a logging step once `trainer.progress_every_s`
+seconds have passed since the last, so that a log file shows the run is alive and when it ends.
+Only rank 0 shows either."""
+
+import logging
+import time
+from datetime import timedelta
+
+from tqdm import tqdm
+
+from .config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    def __init__(self, trainer: TrainerConfig, step: int, main: bool) -> None:
+        self.bar = tqdm(total=trainer.max_steps, initial=step, disable=None if main else True, desc="train")
+        self.lines = main and self.bar.disable  # tqdm disables itself when stdout is not a terminal
+        self.every_s, self.max_steps = trainer.progress_every_s, trainer.max_steps
+        self.first_step, self.started = step, time.monotonic()
+        self.last_line = self.started
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bar.close()
+
+    def step(self) -> None:
+        self.bar.update()
+
+    def report(self, step: int, loss: float, samples_per_s: float) -> None:
+        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}")
+        now = time.monotonic()
+        if not self.lines or now - self.last_line < self.every_s:
+            return
+        self.last_line = now
+        steps_per_s = (step - self.first_step) / max(now - self.started, 1e-9)
+        eta = timedelta(seconds=round((self.max_steps - step) / steps_per_s)) if steps_per_s else "?"
+        log.info(f"step {step}/{self.max_steps}: loss {loss:.4f}, {samples_per_s:.0f} samples/s, ETA {eta}")
