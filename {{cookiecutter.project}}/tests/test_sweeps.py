@@ -72,7 +72,10 @@ def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(project
 
 def test_a_2x2_sweep_in_worker_processes_makes_four_children_under_one_parent(project):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install -e '.[sweeps]'")
-    check_sweep(project, run_cli(project, *SWEEP, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=600))
+    result = run_cli(project, *SWEEP, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=600)
+    check_sweep(project, result)
+    # The console shows the project's own sentences: no "[2026-…][HYDRA]" prefixes, no joblib banner.
+    assert "[HYDRA]" not in result.stdout + result.stderr and "Joblib.Parallel" not in result.stdout + result.stderr
 
 
 def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
