@@ -1,8 +1,10 @@
 """The default bake is a working project: it installs, passes its own suite, lints clean, and
 trains and resumes its second model from the command line."""
 
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,15 +26,37 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run the bake's own suite, which takes many minutes, with its progress shown as it comes
+    (past pytest's capture), so that `make test` never looks hung; on failure, as `run`."""
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    watchdog = threading.Timer(TIMEOUT_S, process.kill)
+    watchdog.start()
+    output = bytearray()
+    try:
+        with capsys.disabled():
+            print(f"\n`{' '.join(command[1:])}` in the bake:", flush=True)
+            while chunk := os.read(process.stdout.fileno(), 4096):
+                output += chunk
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+    finally:
+        watchdog.cancel()
+    if process.wait() != 0:
+        pytest.fail(
+            f"`{' '.join(command)}` exited {process.returncode}\n{output.decode(errors='replace')}"
+        )
+
+
 @pytest.mark.slow
 def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
-    bake: Callable[..., Path], tmp_path: Path
+    bake: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     project = bake(tmp_path)
     # The venv already holds every runtime dependency and setuptools; no network needed.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
-    run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project)
+    run_shown([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], project, capsys)
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,
