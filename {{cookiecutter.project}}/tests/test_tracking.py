@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 import yaml
 from conftest import losses, start
 from mlflow import MlflowClient
@@ -23,7 +24,9 @@ from omegaconf import OmegaConf
 from {{cookiecutter.package}} import checkpoints, tracking
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.config import MlflowConfig
+from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.provenance import record
 from {{cookiecutter.package}}.tracking import Tracker, _Sender, check_tracking_uri, connect, experiment_id, replay
 
 
@@ -444,3 +447,10 @@ def test_experiments_open_in_the_model_training_view_of_the_mlflow_ui(tmp_path):
     client.set_experiment_tag(older, "mlflow.experimentKind", "forecasting")  # a kind someone chose stays
     experiment_id(client, MlflowConfig(enabled=True, tracking_uri=uri, experiment_name="made-before"))
     assert client.get_experiment(older).tags["mlflow.experimentKind"] == "forecasting"
+
+
+@pytest.mark.parametrize(("amp", "tag", "dtype"), [("off", "off", None), ("bf16", "bfloat16", "bfloat16")])
+def test_the_amp_settings_recorded_are_those_that_apply(make_cfg, amp, tag, dtype):
+    params, tags, _ = record(make_cfg(f"amp={amp}"), World(torch.device("cpu")))
+    assert tags["amp"] == tag and params.get("amp.dtype") == dtype
+    assert params["amp.enabled"] == str(amp != "off")

@@ -32,7 +32,10 @@ def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str
     }
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
-    return flat_params(cfg), tags, OmegaConf.to_yaml(cfg, resolve=True)
+    params = flat_params(cfg)
+    if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
+        del params["amp.dtype"]
+    return params, tags, OmegaConf.to_yaml(cfg, resolve=True)
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:
