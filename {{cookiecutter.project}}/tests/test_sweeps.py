@@ -46,6 +46,9 @@ def check_sweep(project, result, experiment: str = "demo") -> dict:
         overrides = dict(pair.split("=") for pair in name.split(","))
         assert child.data.params["optimizer._target_"] == OPTIMIZERS[overrides["optimizer"]]
         assert float(child.data.params["optimizer.lr"]) == float(overrides["optimizer.lr"])
+    best = min(children.values(), key=lambda child: child.data.metrics["val/loss"])
+    assert parent.data.metrics["best/val/loss"] == best.data.metrics["val/loss"]
+    assert (parent.data.tags["best.job"], parent.data.tags["best.run_id"]) == (best.info.run_name, best.info.run_id)
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     assert all(job in table for job in JOBS) and "| FINISHED " in table
     assert "sweep summary" in result.stdout + result.stderr
@@ -89,6 +92,9 @@ def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
     # The job after the failure runs in a run of its own, under the same parent.
     assert list(children) == ["trainer.grad_accum_steps=1,trainer.max_steps=10"]
     assert children["trainer.grad_accum_steps=1,trainer.max_steps=10"].info.status == "FINISHED"
+    best = min(children.values(), key=lambda child: child.data.metrics["val/loss"])
+    assert parent.data.metrics["best/val/loss"] == best.data.metrics["val/loss"]
+    assert (parent.data.tags["best.job"], parent.data.tags["best.run_id"]) == (best.info.run_name, best.info.run_id)
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     assert "| trainer.grad_accum_steps=0,trainer.max_steps=10 | FAILED " in table and "must be at least 1" in table
 

@@ -17,7 +17,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import losses, start
+from conftest import losses, run_cli, start
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -454,3 +454,15 @@ def test_the_amp_settings_recorded_are_those_that_apply(make_cfg, amp, tag, dtyp
     params, tags, _ = record(make_cfg(f"amp={amp}"), World(torch.device("cpu")))
     assert tags["amp"] == tag and params.get("amp.dtype") == dtype
     assert params["amp.enabled"] == str(amp != "off")
+
+
+def test_a_run_is_named_after_its_experiment_and_its_overrides_and_keeps_the_name_on_resume(project):
+    first = run_cli(project, "optimizer=sgd", "trainer.max_steps=10", "device=cpu")
+    assert first.returncode == 0, first.stderr
+    again = run_cli(project, "optimizer=sgd", "trainer.max_steps=20", "device=cpu", "resume=last")
+    assert again.returncode == 0, again.stderr
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert run.info.run_name == "demo optimizer=sgd,trainer.max_steps=10"  # device is left out: it moves
+    assert run.data.tags["resumes"] == "1" and "mlflow.run_name" not in run.data.params
+    assert "changed settings: trainer.max_steps 10 -> 20, scheduler.total_steps 10 -> 20" in again.stdout + again.stderr

@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .devices import describe
@@ -33,9 +34,18 @@ def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     params = flat_params(cfg)
+    del params["mlflow.run_name"]  # the run's own name, and it may differ on resume
     if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
         del params["amp.dtype"]
     return params, tags, OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def run_name(cfg: DictConfig) -> str:
+    """The MLflow run's name: `name`, then what the command line changed, less what does not change
+    what the run trains (resume, device, ...: Hydra's override_dirname), as in
+    `demo optimizer=sgd,optimizer.lr=0.1`. A resumed run keeps the name it was given first."""
+    changed = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
+    return f"{cfg.name} {changed}".strip()
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:

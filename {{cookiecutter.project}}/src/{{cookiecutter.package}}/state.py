@@ -135,7 +135,7 @@ def report_changes(saved: dict, run: Run) -> None:
     changed = {
         key: f"{before.get(key)} -> {value}"
         for key, value in after.items()
-        if key != "resume" and not key.startswith("device.") and before.get(key) != value
+        if key not in ("resume", "mlflow.run_name") and not key.startswith("device.") and before.get(key) != value
     }
     if changed:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))

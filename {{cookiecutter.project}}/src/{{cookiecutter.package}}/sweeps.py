@@ -132,9 +132,23 @@ class SweepCallback(Callback):
         failed = [result["job"] for result in results if result["status"] != "FINISHED"]
         if self._parent_run_id is not None:
             self._client.log_text(self._parent_run_id, table, "summary.md")
+            self._name_the_best(results)
             self._end_parent("FAILED" if failed else "FINISHED")
         if failed:
             raise SystemExit(f"{len(failed)} of {len(results)} jobs failed: {', '.join(failed)}")
+
+    def _name_the_best(self, results: list[dict]) -> None:
+        """The parent's row in the UI says who won: the best job's val/loss and its overrides."""
+        scored = [result for result in results if isinstance(result.get("val/loss"), float)]
+        if not scored:
+            return
+        best = min(scored, key=lambda result: result["val/loss"])
+        try:
+            self._client.log_metric(self._parent_run_id, "best/val/loss", best["val/loss"])
+            self._client.set_tag(self._parent_run_id, "best.job", best["job"])
+            self._client.set_tag(self._parent_run_id, "best.run_id", best.get("run_id") or "")
+        except Exception as error:  # the store may be down; the summary table already says it
+            log.warning(f"could not name the best job on the sweep's MLflow run: {first_line(error)}")
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
         log.warning("SIGTERM received between jobs: the sweep stops, its MLflow run ends KILLED")

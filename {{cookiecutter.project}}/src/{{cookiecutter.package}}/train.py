@@ -34,7 +34,7 @@ from .precision import Scaler, autocast, build_scaler
 from .precision import describe as describe_amp
 from .preemption import Preemption
 from .progress import Progress
-from .provenance import record
+from .provenance import record, run_name
 from .seeding import RandomState, seed_everything
 from .sweeps import current_job
 from .tracking import Tracker, check_tracking_uri
@@ -91,6 +91,7 @@ def train(cfg: Config) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
     metrics, the continuity verdict and the MLflow run id."""
     check_values(cfg)
+    cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
     # 1. This process's place among the job's and its device, first: a missing accelerator or a
     #    launch that does not match `strategy` fails here, before anything is built.
     with distributed.join(cfg) as world:
