@@ -111,7 +111,7 @@ def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def verify(folder: Path, files: dict[str, list[int]]) -> None:
     """Raises Refused, naming the file, unless every file listed at save is there, whole and
-    unchanged, and the metadata is DCP's own. The files are checked in parallel threads (zlib
+    unchanged, and the metadata is DCP's own. The files are checked in parallel threads (crc32c
     releases the GIL while it computes), one file per core: DCP writes one or more per process."""
     for name, (size, _) in sorted(files.items()):
         path = folder / name
