@@ -34,7 +34,8 @@ Created {PROJECT}. Next, as its README says:
       (torch first, so that you choose the build: CPU, CUDA or XPU; see pytorch.org)
   .venv/bin/python run.py                   # train the demo: seconds on a CPU
   .venv/bin/python run.py trainer.max_steps=600 resume=last   # continue it
-  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  # then open http://127.0.0.1:5000
+  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
+      then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning
 """
 
 

@@ -20,5 +20,6 @@ cat <<'MSG'
 
 Both legs are logged to MLflow. To look at them:
   cd demo/my-trainer && ../../.venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
-then open http://127.0.0.1:5000
+then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning
+(or click "Model training" at the top left: MLflow 3 opens in its GenAI view)
 MSG
