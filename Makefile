@@ -7,7 +7,7 @@ VENV := .venv
 # Inside the venv, so deleting the venv also forgets that it was set up.
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test demo format clean
+.PHONY: setup test demo screenshot format clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ test: setup
 
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/demo.sh
+
+# The README's picture: the MLflow UI on the demo's resumed run (needs Debian's chromium).
+screenshot: demo
+	$(VENV)/bin/python scripts/screenshot_mlflow.py
 
 # Ruff over the template's Jinja-laden Python, with the generated project's settings.
 format: setup

@@ -186,3 +186,27 @@ def test_pre_gen_hook_refuses_with_one_line_naming_the_answer_and_bakes_nothing(
     assert list(tmp_path.iterdir()) == []
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith(f"error: {answer} {value!r} ")
+
+
+def test_a_refused_answer_typed_at_the_prompt_gets_the_same_line_phrased_for_the_prompt(
+    tmp_path: Path,
+) -> None:
+    """As a person answers the questions: Enter for the defaults, a keyword for the package."""
+    config = tmp_path / "cookiecutter.yaml"
+    config.write_text(yaml.safe_dump({"replay_dir": str(tmp_path / "replay")}), encoding="utf-8")
+    cookiecutter = Path(sys.executable).with_name("cookiecutter")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [str(cookiecutter), "--config-file", str(config), "-o", str(out), str(TEMPLATE.parent)],
+        input="\nclass\n" + "\n" * 10,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1
+    [line] = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert line.endswith(
+        "error: package 'class' is a Python keyword; run cookiecutter again and answer the "
+        "package question with <another name> (or pass package=<another name> with --no-input)"
+    )
+    assert not out.exists() or list(out.iterdir()) == []
