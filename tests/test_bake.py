@@ -2,6 +2,7 @@
 
 import ast
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -210,3 +211,29 @@ def test_a_refused_answer_typed_at_the_prompt_gets_the_same_line_phrased_for_the
         "package question with <another name> (or pass package=<another name> with --no-input)"
     )
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
+    bake: Bake, tmp_path: Path
+) -> None:
+    project = bake(tmp_path)
+
+    def collected(*options: str) -> set[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+            + list(options),
+            cwd=project,
+            env={**os.environ, "PYTHONPATH": str(project / "src")},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return {line for line in result.stdout.splitlines() if "::" in line}
+
+    default, every, slow = collected(), collected("--all"), collected("-m", "slow")
+    assert default and slow and default | slow == every and not default & slow
+    # Slow by its `project` fixture (a subprocess), not by a marker of its own:
+    assert (
+        "tests/test_tracking.py::test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback"
+        in slow
+    )

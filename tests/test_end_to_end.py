@@ -56,7 +56,9 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     # The venv already holds every runtime dependency and setuptools; no network needed.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
-    run_shown([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], project, capsys)
+    run_shown(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--all"], project, capsys
+    )
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,

@@ -23,6 +23,23 @@ BASE = {
 }
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true", help="also run the tests marked slow (what CI runs)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that runs `python run.py` in a subprocess (the `project` fixture) is slow: each pays
+    the start-up of a fresh interpreter. Slow tests run with `--all`, or when `-m` picks them."""
+    for item in items:
+        if "project" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--all") or config.option.markexpr:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture(scope="session")
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One sqlite store for the session: creating its tables costs seconds."""

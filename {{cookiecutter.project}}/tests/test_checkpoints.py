@@ -4,10 +4,12 @@ what `resume=` finds."""
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -117,13 +119,38 @@ def test_a_truncated_newest_checkpoint_falls_back_too(tmp_path, caplog):
     assert "step_00000020.pt is unreadable" in caplog.text
 
 
+def test_without_verify_a_damaged_checkpoint_loads_as_it_is(tmp_path):
+    """What checkpoint.verify=false risks: the checksums are what tell a flipped byte."""
+    save_steps(tmp_path, 10, 20)
+    corrupt(tmp_path / "step_00000020.pt")
+    assert checkpoints.find("last", tmp_path, verify=False)[1]["step"] == 20
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+
+
 def test_naming_a_corrupted_checkpoint_explicitly_fails_clearly(tmp_path):
     save_steps(tmp_path, 10, 20)
     corrupt(tmp_path / "step_00000020.pt")
     with pytest.raises(
-        CheckpointError, match="step_00000020.pt is damaged: its record .* no longer matches the checksum"
+        CheckpointError, match="step_00000020.pt is damaged: its content no longer matches the checksum written at save"
     ):
         checkpoints.find(str(tmp_path / "step_00000020.pt"), tmp_path)
+
+
+def test_a_checkpoint_is_sealed_with_the_checksum_of_its_bytes_and_still_loads_anywhere(tmp_path):
+    path = checkpoints.save(state(7), tmp_path, 7, keep_last=3)
+    comment = zipfile.ZipFile(path).comment
+    assert re.fullmatch(rb"crc32c:[0-9a-f]{8}", comment)
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["weights"], torch.full((64, 64), 7.0))
+    assert zipfile.ZipFile(path).testzip() is None  # any zip reader reads it
+
+
+def test_a_checkpoint_written_before_seals_is_checked_record_by_record(tmp_path):
+    """As the project wrote them before: torch.save's own zip, its records' CRC-32 only."""
+    torch.save(state(20), tmp_path / "step_00000020.pt")
+    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+    corrupt(tmp_path / "step_00000020.pt")
+    with pytest.raises(CheckpointError, match="step_00000020.pt is damaged: its record .* no longer matches"):
+        checkpoints.load(tmp_path / "step_00000020.pt")
 
 
 class WritesAFile:

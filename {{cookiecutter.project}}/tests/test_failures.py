@@ -127,6 +127,7 @@ def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg
     assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
 
 
+@pytest.mark.slow
 def test_a_non_finite_probe_loss_is_not_reported_as_a_continuity_mismatch(make_cfg, client, checkpoint_dir, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
     _, saved = checkpoints.newest_valid(checkpoint_dir)
@@ -209,6 +210,7 @@ def test_a_run_leaves_files_it_did_not_write_in_its_checkpoint_folder(make_cfg, 
     assert (checkpoint_dir / "thesis.tmp").read_text() == "three years of work"
 
 
+@pytest.mark.slow
 def test_extending_a_run_reports_the_lr_jump_and_keeping_the_horizon_avoids_it(
     make_cfg, client, checkpoint_dir, caplog
 ):

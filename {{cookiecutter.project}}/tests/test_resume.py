@@ -43,16 +43,22 @@ def run_id_of(checkpoint_dir) -> str:
     return checkpoints.newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
 
 
+# The default settings by default; the variants under --all (each is three trainings).
 @pytest.mark.parametrize(
     "settings",
     [
         ["optimizer=adamw", "amp=off"],
-        ["optimizer=adamw", "amp=bf16"],
-        ["optimizer=sgd", "amp=off"],
-        ["optimizer=sgd", "amp=bf16"],
-        ["optimizer=adamw", "optimizer.fused=true"],
-        ["optimizer=sgd", "trainer.grad_accum_steps=2"],
-        ["model=cnn", "trainer.channels_last=true"],
+        *(
+            pytest.param(settings, marks=pytest.mark.slow)
+            for settings in (
+                ["optimizer=adamw", "amp=bf16"],
+                ["optimizer=sgd", "amp=off"],
+                ["optimizer=sgd", "amp=bf16"],
+                ["optimizer=adamw", "optimizer.fused=true"],
+                ["optimizer=sgd", "trainer.grad_accum_steps=2"],
+                ["model=cnn", "trainer.channels_last=true"],
+            )
+        ),
     ],
     ids=" ".join,
 )
@@ -77,6 +83,19 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
     assert resumed["run_id"] == saved["tracker"]["run_id"], "the resume continues the same MLflow run"
     assert losses(client, resumed["run_id"]) == expected
     assert resumed["val/loss"] == reference["val/loss"]
+
+
+def test_checkpoint_verify_false_trusts_the_file_and_so_resumes_from_a_damaged_one(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=10"))
+    newest = checkpoints.path_of(checkpoint_dir, 10)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the weights: torch.load reads it all the same
+    newest.write_bytes(bytes(data))
+    cpu = World(torch.device("cpu"))
+    with pytest.raises(RunError, match="holds checkpoints, but none loads"):
+        recipe.setup(make_cfg(QUIET, "resume=last"), cpu, checkpoint_dir)
+    run, (path, _) = recipe.setup(make_cfg(QUIET, "resume=last", "checkpoint.verify=false"), cpu, checkpoint_dir)
+    assert path == newest and run.step == 10
 
 
 @pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")  # meta tensors hold no data
@@ -128,6 +147,7 @@ def test_resume_with_another_optimizer_type_fails_clearly(make_cfg):
         ("off", "fp16", "starting a fresh GradScaler"),
     ],
 )
+@pytest.mark.slow
 def test_amp_switched_between_fp16_and_off_across_a_resume_works(make_cfg, client, caplog, before, after, note):
     recipe.train(make_cfg(f"amp={before}", "trainer.max_steps=20"))
     with caplog.at_level(logging.INFO):
@@ -159,6 +179,7 @@ def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_
     assert second["run_id"] == first["run_id"] and second["step"] == 20
 
 
+@pytest.mark.slow
 def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cfg, checkpoint_dir, client, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
     path, saved = checkpoints.newest_valid(checkpoint_dir)
@@ -193,6 +214,7 @@ def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_trai
         recipe.train(make_cfg(QUIET, "data.val_fraction=0.0001"))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_format_2_resumes_exactly_where_it_stopped(make_cfg, client, checkpoint_dir, tmp_path):
     """Format 2 (one process) counted its position in batches and kept one random state."""
     schedule = "scheduler.total_steps=40"  # the same lr at every step in both runs

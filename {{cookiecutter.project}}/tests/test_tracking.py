@@ -76,6 +76,7 @@ def test_a_resume_continues_the_run_and_logs_the_loss_at_save_beside_the_loss_no
     assert sorted(losses(client, run_id)) == list(range(1, 31)), "one curve across the resume"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_run_is_not_in_the_store_continues_in_a_new_tagged_run(
     make_cfg, client, checkpoint_dir, tmp_path, caplog
 ):
@@ -90,6 +91,7 @@ def test_a_checkpoint_whose_run_is_not_in_the_store_continues_in_a_new_tagged_ru
     assert new_run.info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_run_was_deleted_in_the_ui_continues_in_a_new_run(make_cfg, client):
     first = recipe.train(make_cfg("trainer.max_steps=10"))
     client.delete_run(first["run_id"])
@@ -111,6 +113,7 @@ def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goe
     assert run.info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_is_marked_failed_not_left_running(make_cfg, client, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10"))
     path, saved = checkpoints.newest_valid(checkpoint_dir)
@@ -309,6 +312,7 @@ def test_a_sender_that_died_leaves_the_end_of_the_run_to_the_trainer(make_cfg, c
     assert client.get_run(tracker.run_id).info.status == "KILLED"
 
 
+@pytest.mark.slow
 def test_a_moved_store_keeps_its_artifacts_and_new_runs_write_beside_it(make_cfg, tmp_path):
     before, after = tmp_path / "before", tmp_path / "after"
     first = recipe.train(make_cfg("trainer.max_steps=10", f"mlflow.tracking_uri=sqlite:///{before / 'mlflow.db'}"))

@@ -6,8 +6,9 @@ holding every process's shards of the model and optimizer (sharded.py) and a `st
 rest. Either is written under a temporary name, fsynced and only then renamed to its own, so a
 crash at any instant, of any process, mid-save included, leaves the previous checkpoint the newest
 whole one. What the rename cannot prevent, a file damaged after it was written (a truncated copy,
-a bad disk), checksums reveal: the CRC-32 that torch.save stores for every record, and the CRC-32C
-of each shard file taken at save; `load` checks them all, which torch.load alone does not.
+a bad disk), checksums reveal: the CRC-32C of a checkpoint file's bytes, taken as they are written
+and stored in the file (`_seal`), and that of each shard file; `load` checks them, which
+torch.load alone does not.
 
 A run holds its checkpoint folder (its home) for its whole life with an OS lock, so a second run
 with the same name stops at once instead of overwriting the first; and it deletes only files
@@ -17,18 +18,23 @@ whose names it writes itself.
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import pickle
 import re
 import secrets
 import shutil
 import socket
+import struct
 import time
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+import crc32c
 import torch
 
 from . import sharded
@@ -52,6 +58,14 @@ STATE = "state.pt"  # in a folder checkpoint: everything but the shards
 # `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp` and the write
 # test's `write-test.<tag>.tmp`.
 TEMPORARY = re.compile(r"(step_\d{8,}(\.pt)?|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
+# A zip record's local header: its signature, then (past 22 bytes) the lengths of its name and
+# extra field, which come before its data.
+LOCAL_HEADER = struct.Struct("<4s22xHH")
+# The end of a zip archive: 22 bytes, the last two the length of the archive's comment. A file
+# checkpoint's comment is the CRC-32C of every byte torch.save wrote (`_seal`).
+END_OF_ARCHIVE = 22
+SEAL = re.compile(rb"crc32c:([0-9a-f]{8})")
+SEAL_SIZE = len("crc32c:") + 8
 
 
 class CheckpointError(RunError):
@@ -214,8 +228,8 @@ def load(path: Path, verify: bool = True) -> dict:
 
     `weights_only=True` refuses anything but tensors and plain containers, so a crafted pickle
     cannot execute. Loading onto the CPU lets a checkpoint written on any device resume on any
-    other: the runner places everything afterwards. `verify=False` skips the checksums, for the
-    processes of a job whose rank 0 has checked the same files.
+    other: the runner places everything afterwards. `verify=False` skips the checksums: for the
+    processes of a job whose rank 0 has checked the same files, and for checkpoint.verify=false.
     """
     if path.is_dir():
         return _load_folder(path, verify)
@@ -256,18 +270,25 @@ def _check_format(path: Path, state: object) -> None:
 
 
 def _read(path: Path, verify: bool) -> object:
-    if verify:
+    """torch.load onto the CPU, restricted to tensors and plain values; with `verify`, every
+    record's checksum is checked in other threads while torch reads, and a damaged file is named
+    as damaged, whatever torch made of it, before its contents are returned to anyone."""
+    with ThreadPoolExecutor(max_workers=1) as checker:
+        damaged = checker.submit(_check_records, path) if verify else None
         try:
-            with zipfile.ZipFile(path) as archive:
-                damaged = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as error:
-            raise CheckpointError(f"{path} is unreadable ({error}); it may be truncated or not a checkpoint") from None
+            state = _load_restricted(path)
+        except CheckpointError:
+            if damaged is not None:
+                damaged.result()
+            raise
         if damaged is not None:
-            raise CheckpointError(
-                f"{path} is damaged: its record {damaged} no longer matches the checksum written at save"
-            )
+            damaged.result()
+    return state
+
+
+def _load_restricted(path: Path) -> object:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # Only the name of what was refused: torch's own text goes on to suggest weights_only=False.
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
@@ -279,7 +300,58 @@ def _read(path: Path, verify: bool) -> object:
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
-    return state
+
+
+def _check_records(path: Path) -> None:
+    """Checks the file against the checksums written at save, reading it through a memory map
+    (no copy; what torch.load reads meanwhile comes from the same pages): the CRC-32C of the whole
+    file that `_seal` stored, or, in a file written before seals, each record's CRC-32 that
+    torch.save stores (zip archives, uncompressed), in parallel threads. Both checksums release
+    the GIL while they compute; CRC-32C is four times as fast."""
+    try:
+        with (
+            open(path, "rb") as file,
+            zipfile.ZipFile(file) as archive,
+            mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+            memoryview(mapped) as view,
+        ):
+            seal = SEAL.fullmatch(archive.comment)
+            damaged = _unsealed_part(view, int(seal[1], 16)) if seal else _damaged_record(view, archive)
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise CheckpointError(f"{path} is unreadable ({error}); it may be truncated or not a checkpoint") from None
+    if damaged is not None:
+        raise CheckpointError(f"{path} is damaged: {damaged} no longer matches the checksum written at save")
+
+
+def _unsealed_part(view: memoryview, sealed: int) -> str | None:
+    """None if the bytes before the seal are still those torch.save wrote (whose last two, the
+    comment length, were 0), else what changed."""
+    found = crc32c.crc32c(bytes(2), crc32c.crc32c(view[: len(view) - SEAL_SIZE - 2]))
+    return None if found == sealed else "its content"
+
+
+def _damaged_record(view: memoryview, archive: zipfile.ZipFile) -> str | None:
+    records = archive.infolist()
+    with ThreadPoolExecutor(max_workers=min(len(records), os.cpu_count() or 1) or 1) as pool:
+        matches = pool.map(lambda record: _record_matches(view, record), records)
+        return next((f"its record {r.filename}" for r, ok in zip(records, matches, strict=True) if not ok), None)
+
+
+def _record_matches(view: memoryview, record: zipfile.ZipInfo) -> bool:
+    """Whether the record's bytes still have the CRC-32 written at save. They follow the record's
+    local header: 30 bytes, then the name and an extra field of the lengths it gives. torch.save
+    stores records uncompressed; a compressed one is not its writing."""
+    if record.compress_type != zipfile.ZIP_STORED:
+        return False
+    header = bytes(view[record.header_offset : record.header_offset + LOCAL_HEADER.size])
+    if len(header) < LOCAL_HEADER.size:
+        return False
+    signature, name_length, extra_length = LOCAL_HEADER.unpack(header)
+    start = record.header_offset + LOCAL_HEADER.size + name_length + extra_length
+    end = start + record.compress_size
+    if signature != zipfile.stringFileHeader or end > len(view):
+        return False
+    return zlib.crc32(view[start:end]) == record.CRC
 
 
 # What a checkpoint holds, declared once. Each part is the state_dict of the run's attribute of
@@ -336,17 +408,17 @@ def _structure_problems(state: dict, parts: dict = PARTS, meta: dict = META) -> 
     return problems
 
 
-def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
+def find(resume: str | None, home: Path, verify: bool = True) -> tuple[Path, dict] | None:
     """What `resume=` names, loaded: None (start fresh), `last`, `auto` or a path.
 
     `last` and `auto` take the newest checkpoint in `home` that loads; `last` fails when there is
     none, `auto` starts fresh. A path names a checkpoint (a file, or a folder of shards), or a
-    folder to search the same way.
+    folder to search the same way. `verify=False` (checkpoint.verify) skips the checksums.
     """
     if resume is None:
         return None
     if resume in ("last", "auto"):
-        found = newest_valid(home)
+        found = newest_valid(home, verify)
         if found is None and has_checkpoints(home):
             raise RunError(
                 f"resume={resume}: {home} holds checkpoints, but none loads (see the warnings above); "
@@ -362,18 +434,18 @@ def find(resume: str | None, home: Path) -> tuple[Path, dict] | None:
         return found
     path = Path(resume).expanduser().resolve()
     if path.is_dir() and not (path / STATE).exists():
-        found = newest_valid(path)
+        found = newest_valid(path, verify)
         if found is None:
             raise RunError(
                 f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last"
             )
         return found
     if path.exists():
-        return path, load(path)
+        return path, load(path, verify)
     raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
 
 
-def newest_valid(home: Path) -> tuple[Path, dict] | None:
+def newest_valid(home: Path, verify: bool = True) -> tuple[Path, dict] | None:
     """The newest checkpoint in `home` that loads, falling back, with a warning, past damaged ones.
 
     It goes by the step numbers in the file names, not by the `latest` pointer (which is there
@@ -381,7 +453,7 @@ def newest_valid(home: Path) -> tuple[Path, dict] | None:
     """
     for _, path in sorted(_steps(home), reverse=True):
         try:
-            return path, load(path)
+            return path, load(path, verify)
         except CheckpointError as error:
             log.warning(f"skipping a checkpoint: {error}; falling back to an older one")
     return None
@@ -441,8 +513,8 @@ def _temporary(path: Path) -> Path:
 
 
 def _torch_save(state: dict, file: BinaryIO) -> None:
-    """torch.save, raising what really went wrong when a write fails: torch reports a full disk,
-    or a Ctrl-C mid-write, as 'unexpected pos 704 vs 598'."""
+    """torch.save, then its seal; raising what really went wrong when a write fails: torch
+    reports a full disk, or a Ctrl-C mid-write, as 'unexpected pos 704 vs 598'."""
     writer = _RecordingWriter(file)
     try:
         torch.save(state, writer)
@@ -450,18 +522,37 @@ def _torch_save(state: dict, file: BinaryIO) -> None:
         if writer.failure is not None:
             raise writer.failure from None
         raise
+    _seal(file, writer)
+
+
+def _seal(file: BinaryIO, writer: "_RecordingWriter") -> None:
+    """Stores the CRC-32C of what torch.save wrote as the zip archive's comment: the last two bytes
+    it wrote (a comment length of 0) become the seal's length, and the seal follows. Any zip
+    reader, torch.load included, reads the archive as before; `_check_records` checks the whole
+    file at 13 GB/s instead of each record's CRC-32 at 3."""
+    if writer.tail[:4] != zipfile.stringEndArchive or writer.tail[-2:] != bytes(2):
+        return  # not the ending torch.save writes: left unsealed, checked by its records
+    file.seek(-2, os.SEEK_END)
+    file.write(SEAL_SIZE.to_bytes(2, "little") + b"crc32c:%08x" % writer.checksum)
 
 
 class _RecordingWriter:
+    """Passes torch.save's bytes to the file, keeping their CRC-32C, the last END_OF_ARCHIVE of
+    them, and the error of a write that failed."""
+
     def __init__(self, file: BinaryIO) -> None:
         self.file, self.failure = file, None
+        self.checksum, self.tail = 0, b""
 
     def write(self, data: bytes) -> int:
         try:
-            return self.file.write(data)
+            written = self.file.write(data)
         except BaseException as failure:
             self.failure = failure
             raise
+        self.checksum = crc32c.crc32c(data, self.checksum)
+        self.tail = (self.tail + bytes(data[-END_OF_ARCHIVE:]))[-END_OF_ARCHIVE:]
+        return written
 
     def flush(self) -> None:
         self.file.flush()

@@ -56,6 +56,7 @@ class CheckpointConfig:
     dir: str = MISSING
     every_n_steps: int = MISSING
     keep_last: int = MISSING
+    verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
 
 

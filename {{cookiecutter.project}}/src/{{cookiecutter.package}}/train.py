@@ -202,7 +202,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict]
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
     #    Every rank loads the same checkpoint, the one rank 0 chose, into its own copy.
-    found = locate(cfg.resume, home, world)
+    found = locate(cfg.resume, home, world, cfg.checkpoint.verify)
     if found is not None:
         state.restore(run, *found)
         world.on_main(lambda: set_aside_newer(home, run.step))
@@ -224,13 +224,14 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, tuple[Path, dict]
     return run, found
 
 
-def locate(resume: str | None, home: Path, world: World) -> tuple[Path, dict] | None:
-    """The checkpoint `resume=` names, as rank 0 finds and verifies it, loaded on every rank."""
+def locate(resume: str | None, home: Path, world: World, verify: bool) -> tuple[Path, dict] | None:
+    """The checkpoint `resume=` names, as rank 0 finds (and, with `verify`, checks) it, loaded on
+    every rank."""
     found = None
 
     def find() -> Path | None:
         nonlocal found
-        found = checkpoints.find(resume, home)
+        found = checkpoints.find(resume, home, verify)
         return found and found[0]
 
     path = world.on_main(find)
