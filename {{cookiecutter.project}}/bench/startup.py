@@ -50,7 +50,9 @@ print(f"loss {loss.item():.4f}")
 
 def timed(command: list[str], cwd: Path) -> float:
     started = time.perf_counter()
-    subprocess.run(command, cwd=cwd, check=True, capture_output=True)
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        sys.exit(f"`{' '.join(command[1:])}` failed:\n{result.stderr}")
     return time.perf_counter() - started
 
 
