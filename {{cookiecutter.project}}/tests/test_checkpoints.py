@@ -144,6 +144,14 @@ def test_a_checkpoint_is_sealed_with_the_checksum_of_its_bytes_and_still_loads_a
     assert zipfile.ZipFile(path).testzip() is None  # any zip reader reads it
 
 
+def test_a_file_that_does_not_end_as_a_zip_archive_is_left_unsealed(tmp_path, monkeypatch):
+    """The seal overwrites the archive's last two bytes: only where they are its comment length."""
+    monkeypatch.setattr(torch, "save", lambda state, file: file.write(b"PK\x05\x06 but not at the end"))
+    with open(tmp_path / "file", "wb") as file:
+        checkpoints._torch_save({}, file)
+    assert (tmp_path / "file").read_bytes() == b"PK\x05\x06 but not at the end"
+
+
 def test_a_checkpoint_written_before_seals_is_checked_record_by_record(tmp_path):
     """As the project wrote them before: torch.save's own zip, its records' CRC-32 only."""
     torch.save(state(20), tmp_path / "step_00000020.pt")

@@ -270,11 +270,11 @@ def _check_format(path: Path, state: object) -> None:
 
 
 def _read(path: Path, verify: bool) -> object:
-    """torch.load onto the CPU, restricted to tensors and plain values; with `verify`, every
-    record's checksum is checked in other threads while torch reads, and a damaged file is named
-    as damaged, whatever torch made of it, before its contents are returned to anyone."""
+    """torch.load onto the CPU, restricted to tensors and plain values; with `verify`, the file's
+    checksums are checked in other threads while torch reads, and a damaged file is named as
+    damaged, whatever torch made of it, before its contents are returned to anyone."""
     with ThreadPoolExecutor(max_workers=1) as checker:
-        damaged = checker.submit(_check_records, path) if verify else None
+        damaged = checker.submit(_check_checksums, path) if verify else None
         try:
             state = _load_restricted(path)
         except CheckpointError:
@@ -302,7 +302,7 @@ def _load_restricted(path: Path) -> object:
         raise CheckpointError(f"{path} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
 
 
-def _check_records(path: Path) -> None:
+def _check_checksums(path: Path) -> None:
     """Checks the file against the checksums written at save, reading it through a memory map
     (no copy; what torch.load reads meanwhile comes from the same pages): the CRC-32C of the whole
     file that `_seal` stored, or, in a file written before seals, each record's CRC-32 that
@@ -528,7 +528,7 @@ def _torch_save(state: dict, file: BinaryIO) -> None:
 def _seal(file: BinaryIO, writer: "_RecordingWriter") -> None:
     """Stores the CRC-32C of what torch.save wrote as the zip archive's comment: the last two bytes
     it wrote (a comment length of 0) become the seal's length, and the seal follows. Any zip
-    reader, torch.load included, reads the archive as before; `_check_records` checks the whole
+    reader, torch.load included, reads the archive as before; `_check_checksums` checks the whole
     file at 13 GB/s instead of each record's CRC-32 at 3."""
     if writer.tail[:4] != zipfile.stringEndArchive or writer.tail[-2:] != bytes(2):
         return  # not the ending torch.save writes: left unsealed, checked by its records
