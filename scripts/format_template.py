@@ -39,7 +39,9 @@ def hide_jinja(text: str) -> str:
 def ruff_settings(pyproject: str) -> str:
     """The project's pyproject.toml, readable by ruff: without Jinja."""
     plain = "\n".join(line for line in pyproject.splitlines() if not TAG_LINE.match(line))
-    return re.sub(r"\{\{.*?\}\}", "3.10", plain)  # a value every field there accepts
+    # `py{{ cookiecutter.python_min | replace(".", "") }}` (target-version) wants digits alone.
+    plain = re.sub(r"\{\{[^}]*replace\([^}]*\}\}", "310", plain)
+    return re.sub(r"\{\{.*?\}\}", "3.10", plain)  # a value every other field there accepts
 
 
 def main() -> None:

@@ -404,7 +404,7 @@ def save_folder(home: Path, step: int, keep_last: int = 3) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
         dcp.save({"model": state(step)["model"]}, storage_writer=writer)
-    rest = {key: value for key, value in state(step).items() if key not in sharded.PARTS}
+    rest = {key: value for key, value in state(step).items() if key not in checkpoints.IN_SHARDS}
     return checkpoints.save_folder({**rest, "shards": writer.files}, temporary, home, step, keep_last)
 
 

@@ -37,7 +37,6 @@ from typing import BinaryIO
 import crc32c
 import torch
 
-from . import sharded
 from .errors import RunError
 
 try:
@@ -247,9 +246,11 @@ def load(path: Path, verify: bool = True) -> dict:
 def _load_folder(path: Path, verify: bool) -> dict:
     if not (path / STATE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no {STATE}")
+    from . import sharded  # torch.distributed.checkpoint (1 s to import) only where a folder is read
+
     state = _read(path / STATE, verify)
     _check_format(path, state)
-    rest = {part: keys for part, keys in PARTS.items() if part not in sharded.PARTS}
+    rest = {part: keys for part, keys in PARTS.items() if part not in IN_SHARDS}
     if problems := _structure_problems(state, rest, {**META, "shards": dict}):
         raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
     if verify:
@@ -369,6 +370,7 @@ PARTS = {
     "tracker": ("run_id",),
     "rng": ("ranks",),
 }
+IN_SHARDS = ("model", "optimizer")  # the parts every process writes, sharded, under strategy=fsdp (sharded.py)
 FORMAT_2 = {**PARTS, "position": ("epoch", "batch"), "rng": ("python", "numpy", "torch")}
 META = {"format_version": int, "step": int, "config": dict, "device": dict, "amp": dict, "versions": dict}
 

@@ -25,7 +25,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import RunError
+from .errors import RunError, first_line
 
 # Per group, what the runner passes at build time to a constructor that names it.
 RUNTIME = {
@@ -53,7 +53,7 @@ def build(group: str, node: DictConfig, **runtime: object) -> Any:
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, ValueError | RunError):
-            raise RunError(f"{group} ({node._target_}): {_first_line(cause)}") from None
+            raise RunError(f"{group} ({node._target_}): {first_line(cause)}") from None
         raise
 
 
@@ -81,7 +81,7 @@ def _check(path: str, node: object, runtime: tuple[str, ...]) -> list[str]:
     try:
         target = get_object(node._target_)
     except Exception as error:  # whatever the import raised: the name is what the user can fix
-        return [f"{path}._target_={node._target_} cannot be imported ({_first_line(error.__cause__ or error)})"]
+        return [f"{path}._target_={node._target_} cannot be imported ({first_line(error.__cause__ or error)})"]
     named = _parameters(target)
     takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in named.values())
     hints = _type_hints(target)
@@ -188,8 +188,3 @@ def _settings(node: DictConfig, group: str) -> dict[str, object]:
     reserved = LOADER if group == "data" else ()
     values = OmegaConf.to_container(node, resolve=True)
     return {key: value for key, value in values.items() if not key.startswith("_") and key not in reserved}
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -9,9 +9,13 @@ what Hydra lets through (a key added with `+`, a value out of range).
 """
 
 import difflib
+import functools
 import math
+import os
 import re
+import time
 from dataclasses import dataclass, field, fields, is_dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,7 @@ class CheckpointConfig:
     every_n_steps: int = MISSING
     keep_last: int = MISSING
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
+    async_save: bool = True  # written by a background thread while training goes on (async_save.py)
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
 
 
@@ -121,6 +126,39 @@ def project_root() -> str:
         if source.provider == "main" and source.schema == "file":
             return str(Path(source.path).resolve().parent)
     raise RuntimeError("the primary config folder is not a file path")
+
+
+def launch_time(pattern: str) -> str:
+    """`${launch_time:%H-%M-%S}`: like Hydra's `${now:}`, but the same in every process of a
+    torchrun job, so that all ranks agree on one output folder."""
+    return time.strftime(pattern, time.localtime(_launched()))
+
+
+@functools.cache
+def _launched() -> float:
+    """Rank 0's clock, shared through torchrun's own store (up before any worker starts)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return time.time()
+    import torch.distributed as dist  # under torchrun only: the resolvers compose before torch is imported
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    key = f"launch_time/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if os.environ["RANK"] == "0":
+        store.set(key, repr(time.time()))
+    return float(store.get(key))
+
+
+def if_main_process(value: str) -> str | None:
+    """`${if_main_process:.hydra}`: the value on rank 0, null on the others (Hydra then writes
+    its config files once)."""
+    return value if launched_as_main() else None
+
+
+def launched_as_main() -> bool:
+    """Whether the launcher (torchrun, SLURM) made this process rank 0, or none: one process."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def check_values(cfg: Config) -> None:
@@ -197,4 +235,7 @@ def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)
+# Used in configs/config.yaml, so registered where run.py finds them before it imports torch.
 OmegaConf.register_new_resolver("project_root", project_root, replace=True)
+OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
+OmegaConf.register_new_resolver("if_main_process", if_main_process, replace=True)

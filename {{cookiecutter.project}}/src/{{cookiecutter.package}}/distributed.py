@@ -10,12 +10,10 @@ is a group of one process, so that a sharded run can be continued or evaluated o
 """
 
 import contextlib
-import functools
 import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,9 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -201,6 +197,9 @@ def shard(model: nn.Module, world: World, cfg: "Config", build: Callable[[], nn.
     block named in `strategy.blocks` as a unit and then the whole, given memory on this process's
     device, and set to the weights that `build()` makes on rank 0: the same weights a single
     process would start from, whatever the number of processes."""
+    # Imported here: torch.distributed.checkpoint takes 1 s to import, which no other strategy uses.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     # An explicit mesh of this device type: without one, older torch put a gloo model on CUDA.
     mesh = init_device_mesh(world.device.type, (world.size,))
     # bf16: parameters gathered and computed in bf16, gradients reduced in fp32. fp16 keeps fp32
@@ -277,33 +276,3 @@ def adopt_slurm_tasks() -> None:
         # The same on every task of the job, and different between jobs sharing a node.
         MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + int(re.sub(r"\D", "", job.job_id) or 0) % 20000)),
     )
-
-
-def launch_time(pattern: str) -> str:
-    """`${launch_time:%H-%M-%S}`: like Hydra's `${now:}`, but the same in every process of a
-    torchrun job, so that all ranks agree on one output folder."""
-    return time.strftime(pattern, time.localtime(_launched()))
-
-
-@functools.cache
-def _launched() -> float:
-    """Rank 0's clock, shared through torchrun's own store (up before any worker starts)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return time.time()
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
-    )
-    key = f"launch_time/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    if os.environ["RANK"] == "0":
-        store.set(key, repr(time.time()))
-    return float(store.get(key))
-
-
-def if_main_process(value: str) -> str | None:
-    """`${if_main_process:.hydra}`: the value on rank 0, null on the others (Hydra then writes
-    its config files once)."""
-    return value if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" else None
-
-
-OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
-OmegaConf.register_new_resolver("if_main_process", if_main_process, replace=True)

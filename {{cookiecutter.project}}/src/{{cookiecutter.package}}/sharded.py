@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .distributed import World
 
-PARTS = ("model", "optimizer")  # the checkpoint parts that DCP writes; rank 0 writes the others
 METADATA = ".metadata"
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 from torch import nn
 
-from . import checkpoints, sharded
+from . import checkpoints
 from .checkpoints import CheckpointError, SaveError
 from .continuity import amp_setting
 from .devices import describe
@@ -28,8 +28,19 @@ def save(run: Run) -> Path:
     """Writes a checkpoint of everything needed to continue exactly, and logs the probe's loss
     measured for it as `checkpoint/loss`. Sharded (strategy=fsdp): a folder, in which every
     process writes its shards of the model and optimizer, and rank 0 the rest."""
-    in_shards = sharded.PARTS if run.world.sharded else ()
-    state = {
+    state = capture(run)
+    if not run.world.sharded:
+        return run.world.on_main(lambda: write(run, state))
+    path = save_sharded(run, state)
+    log_saved(run, state)
+    return path
+
+
+def capture(run: Run) -> dict:
+    """The run's state as a checkpoint holds it (under strategy=fsdp, less the shards), on every
+    process: the random state is gathered from all. Its tensors are the run's own, not copies."""
+    in_shards = checkpoints.IN_SHARDS if run.world.sharded else ()
+    return {
         "format_version": checkpoints.FORMAT_VERSION,
         "step": run.step,
         "config": OmegaConf.to_container(run.cfg, resolve=True),
@@ -38,19 +49,26 @@ def save(run: Run) -> Path:
         "versions": library_versions(),
         **{name: getattr(run, name).state_dict() for name in checkpoints.PARTS if name not in in_shards},
     }
-    # Built on every rank (the random state is gathered from all), written by rank 0 alone.
-    if run.world.sharded:
-        path = save_sharded(run, state)
-    else:
-        path = run.world.on_main(lambda: checkpoints.save(state, run.home, run.step, run.cfg.checkpoint.keep_last))
-    run.tracker.log_metrics({"checkpoint/loss": run.probe.loss}, run.step)
-    run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
+
+
+def write(run: Run, state: dict) -> Path:
+    """Writes a captured state as the one-file checkpoint of its step (rank 0 alone), then logs
+    its `checkpoint/loss`: from the training thread, or from async_save.py's writer."""
+    path = checkpoints.save(state, run.home, state["step"], run.cfg.checkpoint.keep_last)
+    log_saved(run, state)
     return path
+
+
+def log_saved(run: Run, state: dict) -> None:
+    run.tracker.log_metrics({"checkpoint/loss": state["probe"]["loss"]}, state["step"])
+    run.tracker.flush()  # what the checkpoint proves is in MLflow before the process can die
 
 
 def save_sharded(run: Run, state: dict) -> Path:
     """The shards into a folder under a temporary name, then rank 0 completes it: until then no
     resume can pick it, so a process that dies mid-save leaves the previous checkpoint the newest."""
+    from . import sharded  # torch.distributed.checkpoint: 1 s of start-up that a one-file run never uses
+
     home, step = run.home, run.step
     temporary = run.world.broadcast(checkpoints.temporary_folder(home, step) if run.world.is_main else None)
     try:
@@ -70,14 +88,9 @@ def restore(run: Run, path: Path, saved: dict) -> None:
     check_fits(run, path, saved)
     report_changes(saved, run)
     configured = hyperparameters(run.optimizer)
-    if "shards" in saved:  # every process reads the parts of the shards it holds now
-        try:
-            sharded.read(run.model, run.optimizer, path)
-        except sharded.Refused as refusal:
-            raise CheckpointError(f"{path} was refused: {refusal}; load only checkpoints this project wrote") from None
-    elif run.world.sharded:
-        sharded.read_whole(run.model, run.optimizer, saved["model"], saved["optimizer"])
-    loaded_already = sharded.PARTS if "shards" in saved or run.world.sharded else ()
+    loaded_already = checkpoints.IN_SHARDS if "shards" in saved or run.world.sharded else ()
+    if loaded_already:
+        read_shards(run, path, saved)
     for name in checkpoints.PARTS:
         if name in loaded_already:
             continue
@@ -94,6 +107,20 @@ def restore(run: Run, path: Path, saved: dict) -> None:
     run.step = saved["step"]
 
 
+def read_shards(run: Run, path: Path, saved: dict) -> None:
+    """The model and optimizer of a sharded checkpoint, each process reading what it holds now;
+    or of a one-file checkpoint, into a sharded model."""
+    from . import sharded
+
+    if "shards" not in saved:
+        sharded.read_whole(run.model, run.optimizer, saved["model"], saved["optimizer"])
+        return
+    try:
+        sharded.read(run.model, run.optimizer, path)
+    except sharded.Refused as refusal:
+        raise CheckpointError(f"{path} was refused: {refusal}; load only checkpoints this project wrote") from None
+
+
 def check_fits(run: Run, path: Path, saved: dict) -> None:
     """Fails, naming the mismatch, when the checkpoint cannot belong to this optimizer or model."""
     before, now = saved["config"]["optimizer"].get("_target_"), run.cfg.optimizer._target_
@@ -102,7 +129,12 @@ def check_fits(run: Run, path: Path, saved: dict) -> None:
             f"the checkpoint was trained with optimizer {before}, this run asks for {now}; resume with the "
             f"optimizer it was trained with, or start a new run with name=<new name>"
         )
-    saved_shapes = sharded.shapes(path) if "shards" in saved else {k: tuple(v.shape) for k, v in saved["model"].items()}
+    if "shards" in saved:
+        from . import sharded
+
+        saved_shapes = sharded.shapes(path)
+    else:
+        saved_shapes = {key: tuple(value.shape) for key, value in saved["model"].items()}
     check_model_fits(run.model, saved_shapes)
 
 

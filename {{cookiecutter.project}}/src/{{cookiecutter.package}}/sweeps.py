@@ -23,15 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from mlflow import MlflowClient
 from omegaconf import DictConfig
 
-from .errors import RunError
-from .tracking import check_tracking_uri, connect, experiment_id, first_line
+from .errors import RunError, first_line
+from .tracking import check_tracking_uri
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ class SweepCallback(Callback):
         except RunError as error:
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
+        from .mlflow_store import connect, experiment_id  # MLflow in the launching process only, not in each job's
+
         try:
             self._client = connect(config.mlflow.tracking_uri)
             experiment = experiment_id(self._client, config.mlflow)

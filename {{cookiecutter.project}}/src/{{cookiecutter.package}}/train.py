@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from . import checkpoints, components, continuity, distributed, state
+from .async_save import Snapshot, Writer
 from .checkpoints import SaveError
 from .config import Config, check_values
 from .continuity import Probe
@@ -119,8 +120,8 @@ def train_in(cfg: Config, world: World) -> dict:
             run.tracker.open(*record(cfg, world), checkpoint=found[0] if found else None)
             try:
                 verdict = continuity.check(run, found[1], run.step) if found else "fresh"
-                saver = Saver(run, newest=found[0] if found else None)
-                result = finish(run, saver, fit(run, saver, preemption), verdict)
+                with Saver(run, newest=found[0] if found else None) as saver:
+                    result = finish(run, saver, fit(run, saver, preemption), verdict)
                 status = "KILLED" if run.step < cfg.trainer.max_steps else "FINISHED"  # only a signal stops early
             finally:
                 run.tracker.finish(status)
@@ -262,7 +263,7 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
             meter.count(run.world.size * sum(len(targets) for _, targets in micro_batches))
             progress.step()
             if run.step % trainer.log_every_n_steps == 0:
-                divergence.check(saver.on_disk())
+                divergence.check(saver.on_disk)
                 value, rates = loss.item(), meter.window()
                 lr = run.optimizer.param_groups[0]["lr"]
                 run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **rates}, run.step)
@@ -270,9 +271,9 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
             if run.step % run.cfg.checkpoint.every_n_steps == 0:
-                divergence.check(saver.on_disk())
+                divergence.check(saver.on_disk)
                 saver.try_save()
-    divergence.check(saver.on_disk())
+    divergence.check(saver.on_disk)
     # A run resumed at its last step trains nothing: no training loss or throughput to report.
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
 
@@ -344,33 +345,52 @@ class Throughput:
 
 
 class Saver:
-    """The loop's checkpoints: which is the newest on disk, and saves that fail without ending
-    the run (until the last one)."""
+    """The loop's checkpoints: which is the newest on disk, saves that fail without ending the
+    run (until the last one), and, with `checkpoint.async_save`, writes that go on while the run
+    trains (async_save.py). Leaving it waits for a write still in flight, so that no run ends,
+    or releases its checkpoint folder, while one of its files is half written."""
 
     def __init__(self, run: Run, newest: Path | None) -> None:
         self.run = run
         self.newest = newest  # this run's newest checkpoint on disk, or the one it resumed from
         self.failed: SaveError | None = None
+        # Shards are written by every process together (DCP, sharded.py): those saves stay in step.
+        self._background = run.cfg.checkpoint.async_save and not run.world.sharded
+        self._snapshot = Snapshot() if self._background and run.world.is_main else None
+        self._writer = Writer() if self._background and run.world.is_main else None
+        self._in_flight: int | None = None  # the step being written; known to every process, which all
+        # collect the write's outcome at the same point
+
+    def __enter__(self) -> "Saver":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._writer is None:
+            return
+        try:  # normally collected by `final`; after an error, the file still completes
+            self._writer.wait()
+        except SaveError as error:
+            log.warning(str(error))
+        finally:
+            self._writer.close()
 
     def try_save(self) -> None:
-        """Saves; a save that fails warns once and leaves training going, to try again next time."""
-        try:
-            self._save()
-        except SaveError as error:
-            if self.failed is None:
-                log.warning(f"{error}; training goes on and tries again at the next save; {self.on_disk()}")
-            self.failed = error
-            return
-        if self.failed is not None:
-            log.warning(f"saving works again: step {self.run.step} is saved")
-            self.failed = None
+        """Saves (in the background: starts to); a save that fails warns once and leaves training
+        going, to try again next time."""
+        for attempt in (self._collect, self._save):
+            try:
+                attempt()
+            except SaveError as error:
+                self._failed(error)
 
     def final(self) -> None:
-        """The save at the end (or at a signal), which must succeed or the run fails."""
+        """The save at the end (or at a signal), which must succeed or the run fails; written
+        before this returns."""
+        self.on_disk()  # the write in flight, done: an earlier step's failure only warns
         if self.newest == checkpoints.path_of(self.run.home, self.run.step, self.run.world.sharded):
             return
         try:
-            self._save()
+            self._saved(state.save(self._checked()), self.run.step)
         except SaveError as error:
             raise RunError(
                 f"{error}, so step {self.run.step} is not saved; {self.on_disk()}; free space or fix the folder, "
@@ -378,11 +398,45 @@ class Saver:
             ) from None
 
     def on_disk(self) -> str:
+        """Where the run stands on disk, once the write in flight is done: for messages."""
+        try:
+            self._collect()
+        except SaveError as error:
+            self._failed(error)
         return f"the newest checkpoint on disk is {self.newest}" if self.newest else "no checkpoint is on disk"
 
     def _save(self) -> None:
-        # A model that no longer computes numbers stays broken whatever follows: saved, it would
-        # become resume=last and push the good checkpoints out. This RunError ends the run.
+        run = self._checked()
+        if not self._background:
+            self._saved(state.save(run), run.step)
+            return
+        captured = state.capture(run)  # on every process: the random state is gathered from all
+        if self._writer is not None:
+            snapshot = self._snapshot.take(captured)
+            self._writer.start(lambda: state.write(run, snapshot))
+        self._in_flight = run.step
+
+    def _collect(self) -> None:
+        """The outcome of the write in flight, waited for, on every process."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._saved(self.run.world.on_main(lambda: self._writer.wait()), step)  # rank 0 has the writer
+
+    def _failed(self, error: SaveError) -> None:
+        if self.failed is None:
+            log.warning(f"{error}; training goes on and tries again at the next save; {self.on_disk()}")
+        self.failed = error
+
+    def _saved(self, path: Path, step: int) -> None:
+        self.newest = path
+        if self.failed is not None:
+            log.warning(f"saving works again: step {step} is saved")
+            self.failed = None
+
+    def _checked(self) -> Run:
+        """The run, with the probe's loss measured for the checkpoint; a RunError, which ends the
+        run, when the model no longer computes numbers: saved, it would become resume=last and
+        push the good checkpoints out."""
         loss = self.run.probe.measure(self.run)
         weights = nonfinite_weights(self.run.model)
         if self.run.world.sharded:  # each process sees its own shards; all must stop together
@@ -395,4 +449,4 @@ class Saver:
                 f"with resume=last and a lower optimizer.lr"
             )
         self.run.probe.loss = loss
-        self.newest = state.save(self.run)
+        return self.run

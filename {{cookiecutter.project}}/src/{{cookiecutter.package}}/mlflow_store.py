@@ -1,0 +1,381 @@
+"""Everything that talks to the MLflow store, in the processes that do: the sender process
+a training run starts (`drain`, run as `python -m <package>.tracking drain`), which opens or
+continues the run and then delivers its metrics; the launching process of a sweep (its parent
+run); and `replay`. The training process itself never imports this module, or MLflow: the
+import alone is 2 s of start-up (tracking.py is its side).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+from mlflow.exceptions import MlflowException
+from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
+from mlflow.utils.uri import get_uri_scheme
+from sqlalchemy.engine import make_url
+
+from .config import MlflowConfig
+from .errors import RunError, first_line
+from .tracking import spill_path
+
+try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+except ImportError:
+    _tracking_store_registry = None
+
+log = logging.getLogger(__name__)
+
+# MLflow's HTTP client retries with exponential backoff: with the server gone, one call could
+# block for minutes. Bounded here; a user's own setting wins.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+# MLflow logs the traceback of a database error and then raises it; every store call here
+# catches it and says it in one line, so the traceback would only bury that line.
+logging.getLogger("mlflow.store.db.utils").addFilter(lambda record: record.exc_info is None)
+
+BATCH_LIMIT = 1000  # metrics per log_batch call, MLflow's own limit
+RETRY_SECONDS = 2.0  # how long metrics wait before the next try at a store that failed
+FOLLOWS_STORE = "artifacts_follow_store"  # tags the experiments whose artifacts live beside the store
+# MLflow 3's UI opens an experiment without a kind in its GenAI view (an empty traces page) and
+# asks which kind it is; this tag opens this project's experiments on their runs and charts.
+KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
+def check_uri(cfg: MlflowConfig) -> None:
+    """tracking.check_tracking_uri, for a URI that needs MLflow to tell: refuses, in one line, one
+    this MLflow cannot open (no store is opened, no network)."""
+    uri = cfg.tracking_uri
+    asked = f"mlflow.tracking_uri={uri}"
+    instead = "use mlflow.tracking_uri=sqlite:///<folder>/mlflow.db or http://<host>:<port>, or mlflow.enabled=false"
+    scheme = get_uri_scheme(uri)
+    if scheme == "" and not MLFLOW_ALLOW_FILE_STORE.get():
+        raise RunError(f"{asked} is not a URI (MLflow would take it for a file store folder); {instead}")
+    if scheme == "file" and not MLFLOW_ALLOW_FILE_STORE.get():
+        raise RunError(
+            f"{asked} is a file store, which MLflow {mlflow.__version__} no longer opens (maintenance mode); "
+            f"{instead} (`mlflow migrate-filestore` moves old runs into a database)"
+        )
+    try:
+        if _tracking_store_registry is not None:  # without it, the sender warns when it cannot connect
+            _tracking_store_registry.get_store_builder(uri)
+    except UnsupportedModelRegistryStoreURIException:
+        raise RunError(f"{asked}: MLflow {mlflow.__version__} knows no store at {scheme}://; {instead}") from None
+    if scheme in ("http", "https") and not urlparse(uri).hostname:
+        raise RunError(f"{asked} names no server; {instead}")
+
+
+def connect(tracking_uri: str) -> MlflowClient:
+    """A client of `tracking_uri`, after re-pointing the artifacts of a sqlite store that moved."""
+    _follow_moved_store(tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+class RunOpener:
+    """Opens the job's run: a new one, with the flattened config as params and the resolved config
+    as an artifact; or, resuming, the run that wrote the checkpoint, so its curves stay one line in
+    the UI. Params are immutable in MLflow: what changed since the run began goes into tags named
+    `resume.<n>.<key>`. A run missing from this store (a copied checkpoint, a new store) gets a
+    new run, tagged with the checkpoint it continues."""
+
+    def __init__(self, client: MlflowClient, cfg: MlflowConfig) -> None:
+        self.client, self.cfg = client, cfg
+        self.parent_tags = {"mlflow.parentRunId": cfg.parent_run_id} if cfg.parent_run_id else {}
+        self.run_id: str | None = None
+        self.resumes = 0
+
+    def create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
+        experiment = experiment_id(self.client, self.cfg)
+        run = self.client.create_run(experiment, run_name=self.cfg.run_name, tags={**tags, **self.parent_tags})
+        self.run_id = run.info.run_id
+        self._log_params(params)
+        self.client.log_text(self.run_id, config_yaml, "config.yaml")
+
+    def continue_(
+        self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
+    ) -> None:
+        try:
+            run = self.client.get_run(run_id) if run_id else None
+        except MlflowException:
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            log.info(f"MLflow run {run_id} is not in {self.cfg.tracking_uri}; continuing in a new run")
+            self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
+            return
+        self.run_id = run_id
+        self.client.update_run(run_id, status="RUNNING")
+        self.resumes = int(run.data.tags.get("resumes", "0")) + 1
+        resumes, old = self.resumes, run.data.params
+        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
+        self._log_params({key: value for key, value in params.items() if key not in old})
+        resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
+        set_tags(self.client, run_id, {**tags, **self.parent_tags, **changed, **resume_tags})
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        items = [Param(key, value) for key, value in params.items()]
+        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per call
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+
+def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
+    """The run `asked` describes (tracking.Tracker.open), opened; None, after a one-line warning,
+    when the store fails: training does not depend on it. A run opened and then failed is ended
+    FAILED, not left RUNNING."""
+    opener = None
+    try:
+        opener = RunOpener(connect(cfg.tracking_uri), cfg)
+        if asked["checkpoint"] is None:
+            opener.create(asked["params"], asked["tags"], asked["config_yaml"])
+        else:
+            opener.continue_(asked["run_id"], asked["params"], asked["tags"], asked["config_yaml"], asked["checkpoint"])
+        return opener
+    except Exception as error:
+        log.warning(f"MLflow at {cfg.tracking_uri} failed ({first_line(error)}); training goes on without tracking")
+        if opener is not None and opener.run_id is not None:
+            with contextlib.suppress(Exception):  # the store is failing already; said above
+                opener.client.set_terminated(opener.run_id, status="FAILED")
+        return None
+
+
+def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
+    try:
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+    except Exception as error:  # a store that is down must not end the run
+        log.warning(f"could not tag MLflow run {run_id}: {first_line(error)}")
+
+
+def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
+    """The id of `mlflow.experiment_name`, created on first use, of the model-training kind."""
+    experiment = client.get_experiment_by_name(cfg.experiment_name)
+    if experiment is not None:
+        if KIND not in experiment.tags:  # created before this project set it, or by hand
+            client.set_experiment_tag(experiment.experiment_id, KIND, MODEL_TRAINING)
+        return experiment.experiment_id
+    database = _sqlite_file(cfg.tracking_uri)
+    if database is None:  # a server decides for itself
+        return client.create_experiment(cfg.experiment_name, tags={KIND: MODEL_TRAINING})
+    # Beside the store, not in whatever folder the job started from.
+    location = (database.parent / "mlruns").as_uri()
+    tags = {KIND: MODEL_TRAINING, FOLLOWS_STORE: "true"}
+    return client.create_experiment(cfg.experiment_name, artifact_location=location, tags=tags)
+
+
+def _sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of an embedded sqlite store; None for any other store."""
+    if get_uri_scheme(tracking_uri) != "sqlite":
+        return None
+    database = make_url(tracking_uri).database
+    if not database or database == ":memory:":
+        return None
+    return Path(database).absolute()
+
+
+def _follow_moved_store(tracking_uri: str) -> None:
+    """Points the artifacts of a sqlite store that was moved or copied to `<its folder>/mlruns`.
+
+    MLflow keeps artifact locations as absolute URIs in the store: `create_experiment` resolves
+    even a relative location against the working folder (`mlflow.utils.uri.resolve_uri_if_local`),
+    and `create_run` fixes each run's `artifact_uri` as its experiment's location plus
+    `<run id>/artifacts`. No MLflow call changes either, so after the project folder moves
+    the store still names the old folder: new runs would recreate it, old artifacts would be
+    out of reach. So the two columns are rewritten here, in the store's own tables
+    (`experiments.artifact_location`, `runs.artifact_uri`), for the experiments this project
+    created beside the store (tagged `artifacts_follow_store`) and only when their location
+    is a `file:` URI of an `mlruns` folder: a location a user chose is never touched.
+    """
+    database = _sqlite_file(tracking_uri)
+    if database is None or not database.exists():  # a new store: nothing to re-point
+        return
+    here = (database.parent / "mlruns").as_uri()
+    with contextlib.closing(sqlite3.connect(database, timeout=20)) as db, db:
+        try:
+            moved = db.execute(
+                "SELECT experiments.experiment_id, artifact_location FROM experiments JOIN experiment_tags"
+                " ON experiment_tags.experiment_id = experiments.experiment_id"
+                " WHERE experiment_tags.key = ? AND artifact_location != ?",
+                (FOLLOWS_STORE, here),
+            ).fetchall()
+        except sqlite3.OperationalError:  # no tables yet: MLflow creates them when it connects
+            return
+        for experiment, there in moved:
+            if not (there.startswith("file:") and there.endswith("/mlruns")):
+                continue
+            db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (here, experiment))
+            db.execute(
+                "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?)"
+                " WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+                (here, len(there) + 1, experiment, len(there) + 1, there + "/"),
+            )
+
+
+def _replay_command(spill: Path) -> str:
+    return f"python -m {__package__}.tracking replay {spill} --tracking-uri <uri>"
+
+
+def end_run(client: MlflowClient, run_id: str, end: dict, spill: Path) -> None:
+    """Ends the run with `end` (status, end time, resumes so far); if the store refuses, appends
+    the end to `spill` for `replay`. The caller must be the only writer of `spill`."""
+    try:
+        client.set_terminated(run_id, status=end["status"], end_time=end["end_time"])
+    except Exception as error:
+        spill.parent.mkdir(parents=True, exist_ok=True)
+        with open(spill, "a") as file:
+            file.write(json.dumps({"run_id": run_id, **end}) + "\n")
+        log.warning(
+            f"could not mark MLflow run {run_id} {end['status']} ({first_line(error)}); that is recorded in "
+            f"{spill}, and `{_replay_command(spill)}` ends the run when the store is back"
+        )
+
+
+class _Sender:
+    """The sender process's side: batches from `incoming` into `log_batch` calls, in order.
+
+    When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`. `incoming`
+    holds lists of metric rows, tags ({"tags": ...}) and the end of the run ({"end": ...}), then
+    None; or None alone when the trainer died. Then the system metrics monitor (if any) stops,
+    what is still pending goes to `spill`, a JSON-lines file, and the run is ended.
+    """
+
+    def __init__(
+        self, client: MlflowClient, run_id: str, spill: Path, incoming: queue.Queue, monitor: Any = None
+    ) -> None:
+        self._client, self._run_id, self._spill, self._incoming = client, run_id, spill, incoming
+        self._monitor = monitor
+        self._pending: list[Metric] = []
+        self._retry_at: float | None = None  # set while the store is failing
+
+    def run(self) -> None:
+        end = None
+        while True:
+            try:
+                item = self._incoming.get(timeout=RETRY_SECONDS if self._pending else None)
+            except queue.Empty:  # nothing new, but metrics still wait for the store to come back
+                self._send()
+                continue
+            if item is None:
+                if self._monitor is not None:
+                    self._monitor.finish()
+                self._send(force=True)
+                self._spill_pending()
+                if end is not None:  # a trainer that died said nothing: the run is left as it is
+                    end_run(self._client, self._run_id, end, self._spill)
+                return
+            if isinstance(item, list):
+                self._pending.extend(Metric(*row) for row in item)
+                if self._incoming.empty() or len(self._pending) >= BATCH_LIMIT:
+                    self._send()
+            elif "tags" in item:
+                set_tags(self._client, self._run_id, item["tags"])
+            else:
+                end = item["end"]
+
+    def _send(self, force: bool = False) -> None:
+        if self._retry_at is not None and time.monotonic() < self._retry_at and not force:
+            return
+        while self._pending:
+            batch = self._pending[:BATCH_LIMIT]
+            try:
+                self._client.log_batch(self._run_id, metrics=batch)
+            except Exception as error:  # any failure of the store: keep the metrics, try again later
+                if self._retry_at is None:
+                    log.warning(
+                        f"MLflow is not taking metrics ({first_line(error)}); training goes on, metrics are kept"
+                    )
+                self._retry_at = time.monotonic() + RETRY_SECONDS
+                return
+            del self._pending[: len(batch)]
+        if self._retry_at is not None:
+            log.warning("MLflow is taking metrics again; the ones kept meanwhile are sent")
+            self._retry_at = None
+
+    def _spill_pending(self) -> None:
+        if not self._pending:
+            return
+        self._spill.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._spill, "a") as file:
+            for metric in self._pending:
+                row = {"run_id": self._run_id, "key": metric.key, "value": metric.value, "step": metric.step}
+                file.write(json.dumps({**row, "timestamp": metric.timestamp}) + "\n")
+        log.warning(
+            f"{len(self._pending)} metrics could not reach MLflow; they are in {self._spill}. Send them "
+            f"when the store is back: {_replay_command(self._spill)}"
+        )
+
+
+def drain() -> None:
+    """The sender process: waits for the first line on stdin, which asks for a run, opens it and
+    answers its id on stdout, then delivers what follows until stdin ends. Started ahead of the
+    run, it may see stdin end first: the run was not tracked."""
+    logging.basicConfig(format="%(message)s", level=logging.INFO)
+    answer = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever MLflow prints stays off the answer
+    incoming: queue.Queue = queue.Queue()
+
+    def read() -> None:  # a thread, so that retries go on while no new line comes
+        for line in sys.stdin:
+            incoming.put(json.loads(line))
+        incoming.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    if (first := incoming.get()) is None:
+        return
+    asked = first["open"]
+    cfg = MlflowConfig(**asked["mlflow"])
+    opened = open_run(cfg, asked)
+    with answer:
+        answer.write(
+            json.dumps({"run_id": opened and opened.run_id, "resumes": opened.resumes if opened else 0}) + "\n"
+        )
+    if opened is None:  # untracked: what the trainer hands over has nowhere to go
+        while incoming.get() is not None:
+            pass
+        return
+    monitor = None
+    if cfg.system_metrics:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri)
+        monitor.start()
+    _Sender(opened.client, opened.run_id, spill_path(Path(asked["spill_dir"]), opened.run_id), incoming, monitor).run()
+
+
+def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
+    """Sends a file of unsent metrics to `tracking_uri`, then ends the runs it records the end
+    of; returns how many metrics were sent, and what became of each recorded end, by run."""
+    client, metrics_by_run, ends = connect(tracking_uri), {}, {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "status" in row:
+            ends[row["run_id"]] = row  # a run resumed and stopped again: its last end counts
+        else:
+            metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
+            metrics_by_run.setdefault(row["run_id"], []).append(metric)
+    for run_id, metrics in metrics_by_run.items():
+        for start in range(0, len(metrics), BATCH_LIMIT):
+            client.log_batch(run_id, metrics=metrics[start : start + BATCH_LIMIT])
+    outcomes = {run_id: _replay_end(client, end) for run_id, end in ends.items()}
+    return sum(len(metrics) for metrics in metrics_by_run.values()), outcomes
+
+
+def _replay_end(client: MlflowClient, end: dict) -> str:
+    run = client.get_run(end["run_id"])
+    if run.info.status != "RUNNING":
+        return f"left {run.info.status}: it was ended since"
+    # A run resumed after this end was recorded may be training now: its own job ends it.
+    if run.data.tags.get("resumes", "0") != str(end["resumes"]):
+        return "left RUNNING: it was resumed since"
+    client.set_terminated(end["run_id"], status=end["status"], end_time=end["end_time"])
+    return f"ended {end['status']}"
