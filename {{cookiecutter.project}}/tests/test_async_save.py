@@ -59,7 +59,7 @@ def write_once_training_is_ahead(monkeypatch, steps_ahead: int) -> list[tuple[in
 
     def write(run, saved: dict) -> Path:
         deadline = time.monotonic() + 10  # in step (no background write), training waits: fail then
-        while run.step < min(saved["step"] + steps_ahead, run.cfg.trainer.max_steps) and time.monotonic() < deadline:
+        while run.step < min(saved["step"] + steps_ahead, run.trainer.max_steps) and time.monotonic() < deadline:
             time.sleep(0.005)
         began.append((saved["step"], run.step))
         return real_write(run, saved)
@@ -99,13 +99,16 @@ def assert_same(found, expected) -> None:
         assert found == expected
 
 
-def test_a_run_that_fails_while_a_checkpoint_is_written_ends_only_once_the_file_is_whole(
-    make_cfg, checkpoint_dir, monkeypatch
+@pytest.mark.parametrize("storage_fails", [False, True])
+def test_a_run_that_fails_while_a_checkpoint_is_written_ends_once_the_write_has_and_with_its_own_error(
+    make_cfg, checkpoint_dir, monkeypatch, caplog, storage_fails
 ):
     real_write, real_step = state.write, recipe.train_step
 
     def slow_write(run, saved: dict) -> Path:
         time.sleep(1)  # the next step fails meanwhile
+        if storage_fails:
+            raise OSError("the storage went away")
         return real_write(run, saved)
 
     def failing_step(run, micro_batches):
@@ -117,5 +120,8 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_ends_only_once_the_file_
     monkeypatch.setattr(recipe, "train_step", failing_step)
     with pytest.raises(RuntimeError, match="a bug in a training step"):
         recipe.train(make_cfg(QUIET, *EVERY_5))
-    assert checkpoints.load(checkpoint_dir / "step_00000005.pt")["step"] == 5
-    assert (checkpoint_dir / "latest").read_text() == "step_00000005.pt"
+    if storage_fails:
+        assert "the checkpoint write in flight failed: the storage went away" in caplog.text
+    else:
+        assert checkpoints.load(checkpoint_dir / "step_00000005.pt")["step"] == 5
+        assert (checkpoint_dir / "latest").read_text() == "step_00000005.pt"

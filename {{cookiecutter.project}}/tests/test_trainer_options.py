@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from {{cookiecutter.package}} import checkpoints, components, progress
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.data import Position, batches, build_loader
+from {{cookiecutter.package}}.data import EpochSampler, Position, batches, build_loader, evaluation_loader
 from {{cookiecutter.package}}.devices import to_device
 from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
@@ -85,6 +85,42 @@ def test_data_workers_draw_apart_and_an_epoch_draws_the_same_after_a_resume(make
     first, second = one_epoch(unbroken), one_epoch(unbroken)
     assert len(set(first)) == len(first), "each worker draws its own numbers"
     assert one_epoch(stream(epoch=1)) == second, "a run resumed at epoch 1 draws what the unbroken run drew"
+
+
+class CountedTensors(TensorDataset):
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.lookups = 0
+
+    def __getitem__(self, index):
+        self.lookups += 1
+        return super().__getitem__(index)
+
+
+def test_a_tensor_dataset_gives_each_batch_in_one_lookup_in_the_samplers_order(make_cfg):
+    cfg = make_cfg("data.batch_size=8")
+    dataset = CountedTensors(torch.arange(40.0).view(20, 2), torch.arange(20))
+    stream = batches(build_loader(dataset, cfg.data, cfg.device, seed=0, world=World(torch.device("cpu"))), Position())
+    drawn = [next(stream) for _ in range(4)]  # two epochs of two whole batches
+    assert dataset.lookups == 4, "one lookup a batch, not one a sample"
+    sampler = EpochSampler(20, seed=0, batch_size=8)
+    expected = []
+    for epoch in (0, 1):
+        sampler.set_position(epoch, 0)
+        order = list(sampler)
+        expected += [order[:8], order[8:]]
+    for (inputs, targets), indices in zip(drawn, expected, strict=True):
+        assert torch.equal(inputs, dataset.tensors[0][indices]) and torch.equal(targets, dataset.tensors[1][indices])
+
+
+def test_a_tensor_datasets_evaluation_share_comes_in_order_one_lookup_a_batch(make_cfg):
+    cfg = make_cfg()
+    dataset = CountedTensors(torch.arange(40.0).view(20, 2), torch.arange(20))
+    world = SimpleNamespace(rank=1, size=2)  # the second of two processes: samples 1, 3, 5, ...
+    found = list(evaluation_loader(dataset, 4, 0, cfg.device, world))
+    assert dataset.lookups == len(found) == 3
+    assert [targets.tolist() for _, targets in found] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19]]
+    assert all(torch.equal(inputs, dataset.tensors[0][targets]) for inputs, targets in found)
 
 
 def test_a_run_with_data_workers_trains_and_resumes(make_cfg):

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from .config import DeviceConfig
 from .distributed import World
@@ -45,17 +45,23 @@ class Position:
         self.epoch, self.sample = state["epoch"], state["sample"]
 
 
-class EpochSampler(Sampler[int]):
+class EpochSampler(Sampler[int | torch.Tensor]):
     """Shuffles each epoch with a permutation drawn from (seed, epoch) alone, so any position of
     any epoch can be replayed without saving generator state; `start` skips the samples that the
     run has already trained on. Sampling happens in the main process, so this holds with workers.
 
     With several processes, each global batch (`batch_size` samples per process) is cut from the
     one permutation, rank 0 taking its first `batch_size`, rank 1 the next, and so on: together
-    they train on what one process would with a batch `world_size` times larger."""
+    they train on what one process would with a batch `world_size` times larger.
 
-    def __init__(self, size: int, seed: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+    It yields sample indices, or with `whole_batches` each batch's indices as one tensor, for a
+    dataset that takes a batch in one lookup."""
+
+    def __init__(
+        self, size: int, seed: int, batch_size: int, rank: int = 0, world_size: int = 1, whole_batches: bool = False
+    ) -> None:
         self.size, self.seed, self.batch_size, self.rank, self.world_size = size, seed, batch_size, rank, world_size
+        self.whole_batches = whole_batches
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -68,10 +74,11 @@ class EpochSampler(Sampler[int]):
         # No -1 in the shape: a position at the end of an epoch leaves zero batches, and (0, w, -1) is ambiguous.
         shape = (batches, self.world_size, self.batch_size)
         mine = rest[: batches * self.world_size * self.batch_size].view(shape)[:, self.rank]
-        return iter(mine.reshape(-1).tolist())
+        return iter(mine) if self.whole_batches else iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
-        return max(self.size - self.start, 0) // (self.world_size * self.batch_size) * self.batch_size
+        batches = max(self.size - self.start, 0) // (self.world_size * self.batch_size)
+        return batches if self.whole_batches else batches * self.batch_size
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -87,11 +94,14 @@ def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: 
             f"data.batch_size={cfg.batch_size}{processes} is larger than the {len(dataset)} training samples, so no "
             f"full batch exists; use data.batch_size={len(dataset) // world.size} or less"
         )
+    # A TensorDataset takes a batch of indices in one indexing of each tensor: fetched a sample at
+    # a time and stacked, the demo's batches took as long as its model's step.
+    whole_batches = isinstance(dataset, TensorDataset)
     return DataLoader(
         dataset,
-        batch_size=cfg.batch_size,
-        sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size),
-        drop_last=True,  # equal batches: a position is a count of whole global batches
+        batch_size=None if whole_batches else cfg.batch_size,  # None: each index the sampler yields is a batch
+        sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size, whole_batches),
+        drop_last=not whole_batches,  # equal batches: a position is a count of whole global batches
         num_workers=cfg.get("num_workers", 0),
         pin_memory=device.pin_memory,
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
@@ -110,15 +120,11 @@ def evaluation_loader(
     sample (the metrics then add up the shares, evaluation.py). Its own generator: a loader
     without one draws its seed from the global generator, and evaluating would then shift the
     random numbers of training."""
-    if world is not None and world.size > 1:
-        dataset = Subset(dataset, range(world.rank, len(dataset), world.size))
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        pin_memory=device.pin_memory,
-        generator=torch.Generator(),
-    )
+    share = range(world.rank, len(dataset), world.size) if world is not None else range(len(dataset))
+    settings = {"num_workers": num_workers, "pin_memory": device.pin_memory, "generator": torch.Generator()}
+    if isinstance(dataset, TensorDataset):  # a batch in one lookup, as in build_loader
+        return DataLoader(dataset, batch_size=None, sampler=torch.tensor(share).split(batch_size), **settings)
+    return DataLoader(Subset(dataset, share), batch_size=batch_size, **settings)
 
 
 def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tensor]]:

@@ -39,7 +39,7 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
     metrics = run.metrics if shared else {}
     for inputs, targets in batches(loader, run, shared):
         inputs, targets = run.place(inputs), run.place(targets)
-        with autocast(run.cfg.amp, run.device):
+        with autocast(run.amp, run.device):
             outputs = run.model(inputs)
         if not len(targets):
             continue

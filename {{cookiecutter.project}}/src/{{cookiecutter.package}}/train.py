@@ -11,11 +11,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
@@ -23,7 +23,7 @@ from torchmetrics import Metric
 from . import checkpoints, components, continuity, distributed, state
 from .async_save import Snapshot, Writer
 from .checkpoints import SaveError
-from .config import Config, check_values
+from .config import AmpConfig, Config, TrainerConfig, check_values
 from .continuity import Probe
 from .data import Data, Position, batches, build_loader, evaluation_loader
 from .devices import audit_placement, describe, set_cpu_threads, to_device
@@ -65,13 +65,22 @@ class Run:
     tracker: Tracker
     rng: RandomState
     step: int = 0  # optimizer steps taken
+    # The settings every step reads, copied out of `cfg` as plain objects: a step read about
+    # twenty of them from the DictConfig, at several microseconds each (bench/step_overhead.py).
+    trainer: TrainerConfig = field(init=False)
+    amp: AmpConfig = field(init=False)
+    non_blocking: bool = field(init=False)  # device.non_blocking
+
+    def __post_init__(self) -> None:
+        self.trainer, self.amp = OmegaConf.to_object(self.cfg.trainer), OmegaConf.to_object(self.cfg.amp)
+        self.non_blocking = self.cfg.device.non_blocking
 
     @property
     def device(self) -> torch.device:
         return self.world.device
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        return to_device(tensor, self.device, self.cfg.device.non_blocking, self.cfg.trainer.channels_last)
+        return to_device(tensor, self.device, self.non_blocking, self.trainer.channels_last)
 
 
 def main(cfg: DictConfig) -> dict | float | None:
@@ -249,7 +258,7 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
     stops the run before it can save (divergence.py). Returns the last loss and the throughput,
     or nothing when there was no step left to train."""
-    trainer = run.cfg.trainer
+    trainer, save_every = run.trainer, run.cfg.checkpoint.every_n_steps
     loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
@@ -270,7 +279,7 @@ def fit(run: Run, saver: "Saver", preemption: Preemption) -> dict[str, float]:
                 progress.report(run.step, value, rates["train/samples_per_s"])
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
-            if run.step % run.cfg.checkpoint.every_n_steps == 0:
+            if run.step % save_every == 0:
                 divergence.check(saver.on_disk)
                 saver.try_save()
     divergence.check(saver.on_disk)
@@ -291,25 +300,27 @@ def finish(run: Run, saver: "Saver", trained: dict[str, float], verdict: str) ->
 def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
     """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss over
     all processes."""
-    total = torch.zeros((), device=run.device)
+    total = None
     for number, (inputs, targets) in enumerate(micro_batches, start=1):
         with gradients_held(run.wrapped) if number < len(micro_batches) else contextlib.nullcontext():
-            with autocast(run.cfg.amp, run.device):
-                loss = run.criterion(run.wrapped(run.place(inputs)), run.place(targets)) / len(micro_batches)
+            with autocast(run.amp, run.device):
+                loss = run.criterion(run.wrapped(run.place(inputs)), run.place(targets))
+            if len(micro_batches) > 1:  # the step's loss is their mean; a division by 1 would still cost an op
+                loss = loss / len(micro_batches)
             run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     # The mean over the processes, as their gradients are: a loss that is not finite on one of
     # them is seen by all, and all skip the same steps.
     total = run.world.mean(total)
     # Asked for by on_nonfinite=skip_step, at the price of one host sync a step: no update from
     # a non-finite loss. The schedule still advances, so the lr stays a function of the step.
-    if run.cfg.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
+    if run.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
         run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
         return total
-    if run.cfg.trainer.grad_clip is not None:
+    if run.trainer.grad_clip is not None:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
-        nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.trainer.grad_clip)
+        nn.utils.clip_grad_norm_(run.model.parameters(), run.trainer.grad_clip)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
@@ -364,13 +375,15 @@ class Saver:
     def __enter__(self) -> "Saver":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
         if self._writer is None:
             return
         try:  # normally collected by `final`; after an error, the file still completes
             self._writer.wait()
-        except SaveError as error:
-            log.warning(str(error))
+        except Exception as failure:
+            if error is None and not isinstance(failure, SaveError):
+                raise
+            log.warning(f"the checkpoint write in flight failed: {failure}")  # the run's own error comes next
         finally:
             self._writer.close()
 

@@ -1,0 +1,78 @@
+"""What does a training step cost in the runner, against the same step written by hand?
+
+Times the steps after the first 200 (by then the MLflow run is open and the first saves are
+done: start-up, which bench/startup.py measures) of `python run.py` with its defaults (MLflow on,
+a checkpoint and a validation every 100 steps, the loss logged every 10, progress), from the
+times MLflow holds for its logged losses, and of the two hand-written loops of bench/startup.py,
+on the same data, model and optimizer, which do nothing else: one over a DataLoader, as most
+loops are written, and one indexing the tensors, the least a step can cost. Each in a fresh
+interpreter, alternating, medians of `--repeats`. Target: run.py / DataLoader loop <= 1.02x.
+
+    python bench/step_overhead.py [--repeats 3] [--steps 2200]
+"""
+
+import argparse
+import itertools
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mlflow import MlflowClient
+from startup import DATALOADER, PLAIN, alternating, run_py, workspace
+
+WARM_UP = 200  # steps left out of the timing
+
+
+def run(command: list[str], cwd: Path) -> str:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        sys.exit(f"`{' '.join(command[1:])}` failed:\n{result.stderr}")
+    return result.stdout
+
+
+def loop_ms(script: str, steps: int, cwd: Path) -> float:
+    """Milliseconds a step of a hand-written loop, from the times it prints every 100 steps."""
+    ended = {}
+    for line in run([sys.executable, script, str(steps)], cwd).splitlines():
+        if line.startswith("step "):
+            _, step, *_, seconds = line.split()
+            ended[int(step)] = float(seconds)
+    return 1000 * (ended[steps] - ended[WARM_UP]) / (steps - WARM_UP)
+
+
+def runner_ms(name: str, steps: int, cwd: Path) -> float:
+    """Milliseconds a step of `python run.py`, from the times its logged losses were taken."""
+    run(run_py(name, steps), cwd)
+    client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    taken = {metric.step: metric.timestamp for metric in client.get_metric_history(found.info.run_id, "train/loss")}
+    return (taken[steps] - taken[WARM_UP]) / (steps - WARM_UP)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2200, help=f"a multiple of 100 above {WARM_UP}")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        work = workspace(Path(folder))
+        (work / "dataloader.py").write_text(DATALOADER)
+        (work / "indexed.py").write_text(PLAIN)
+        names = (f"steps-{number}" for number in itertools.count())  # a fresh run each time, never a resume
+        step_ms = alternating(
+            {
+                "run.py": lambda: runner_ms(next(names), args.steps, work),
+                "DataLoader loop": lambda: loop_ms("dataloader.py", args.steps, work),
+                "indexed loop": lambda: loop_ms("indexed.py", args.steps, work),
+            },
+            args.repeats,
+        )
+    for name, milliseconds in step_ms.items():
+        print(f"{name}: {milliseconds:.3f} ms a step")
+    print(f"run.py / DataLoader loop: {step_ms['run.py'] / step_ms['DataLoader loop']:.2f}x (target <= 1.02)")
+    print(f"run.py / indexed loop: {step_ms['run.py'] / step_ms['indexed loop']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
