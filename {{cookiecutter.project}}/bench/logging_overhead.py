@@ -36,12 +36,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. device=cuda")
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    # One save, at the end, outside the timed steps: saves are bench/checkpoint_overhead.py's to
-    # time, and the first one waits for the MLflow sender to have opened the run (its start-up).
+    # No save among the timed steps, only the last one, after them: saves are
+    # bench/checkpoint_overhead.py's to time, and the first one waits for the MLflow sender to
+    # have opened the run (start-up, bench/startup.py's).
     common = [
         f"trainer.max_steps={arguments.steps}",
         "trainer.log_every_n_steps=1",
-        f"checkpoint.every_n_steps={arguments.steps}",
+        f"checkpoint.every_n_steps={arguments.steps + 1}",
         *arguments.overrides,
     ]
     runs: dict[str, list[float]] = {"mlflow off": [], "mlflow on": []}

@@ -149,15 +149,17 @@ class Store:
         self.ended.append((run_id, status, end_time))
 
 
-def drain(store, spill: Path, rows_by_step: dict[int, float], *, hold=None, end: dict | None = None) -> None:
-    """Runs the sender loop in a thread over metrics handed over one step at a time, the way
-    the training process hands them over, then ends it, with the end of the run when given;
-    `hold` runs before the end."""
+def drain(
+    store, spill: Path, rows_by_step: dict[int, float], *, hold=None, end: dict | None = None, pause: float = 0
+) -> None:
+    """Runs the sender loop in a thread over metrics handed over one step at a time, `pause`
+    seconds apart, then ends it, with the end of the run when given; `hold` runs before the end."""
     incoming: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_Sender(store, "run", spill, incoming).run)
     sender.start()
     for step, value in rows_by_step.items():
         incoming.put([["train/loss", value, 0, step]])
+        time.sleep(pause)
     if hold is not None:
         hold()
     if end is not None:
@@ -185,8 +187,22 @@ def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_i
     assert not (tmp_path / "unsent.jsonl").exists()
 
 
+def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(tmp_path, monkeypatch):
+    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 2.0)
+    store = Store()
+
+    def first_call_arrives() -> None:  # due 2 s after the first metric: no end of the run needed
+        deadline = time.monotonic() + 30
+        while not store.batches and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    drain(store, tmp_path / "unsent.jsonl", {step: 1.0 for step in range(1, 51)}, hold=first_call_arrives, pause=0.002)
+    assert [len(batch) for batch in store.batches] == [50], "one log_batch call for the 50 steps, not one each"
+
+
 def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 0.01)
     store = Store()
     store.failing = True
 

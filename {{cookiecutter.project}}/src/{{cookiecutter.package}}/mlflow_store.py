@@ -47,6 +47,9 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 logging.getLogger("mlflow.store.db.utils").addFilter(lambda record: record.exc_info is None)
 
 BATCH_LIMIT = 1000  # metrics per log_batch call, MLflow's own limit
+# How long metrics gather before they are sent: a log_batch call costs the store milliseconds of
+# CPU whatever its size, taken from training on a machine with few cores (bench/logging_overhead.py).
+SEND_EVERY_SECONDS = 1.0
 RETRY_SECONDS = 2.0  # how long metrics wait before the next try at a store that failed
 FOLLOWS_STORE = "artifacts_follow_store"  # tags the experiments whose artifacts live beside the store
 # MLflow 3's UI opens an experiment without a kind in its GenAI view (an empty traces page) and
@@ -241,7 +244,8 @@ def end_run(client: MlflowClient, run_id: str, end: dict, spill: Path) -> None:
 
 
 class _Sender:
-    """The sender process's side: batches from `incoming` into `log_batch` calls, in order.
+    """The sender process's side: batches from `incoming` into `log_batch` calls, in order, each
+    holding what arrived over `SEND_EVERY_SECONDS` (or `BATCH_LIMIT` metrics).
 
     When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`. `incoming`
     holds lists of metric rows, tags ({"tags": ...}) and the end of the run ({"end": ...}), then
@@ -255,14 +259,15 @@ class _Sender:
         self._client, self._run_id, self._spill, self._incoming = client, run_id, spill, incoming
         self._monitor = monitor
         self._pending: list[Metric] = []
+        self._gathering_since = 0.0  # when the oldest pending metric arrived
         self._retry_at: float | None = None  # set while the store is failing
 
     def run(self) -> None:
         end = None
         while True:
             try:
-                item = self._incoming.get(timeout=RETRY_SECONDS if self._pending else None)
-            except queue.Empty:  # nothing new, but metrics still wait for the store to come back
+                item = self._incoming.get(timeout=self._until_due())
+            except queue.Empty:  # pending metrics are due: gathered long enough, or to be tried again
                 self._send()
                 continue
             if item is None:
@@ -274,13 +279,22 @@ class _Sender:
                     end_run(self._client, self._run_id, end, self._spill)
                 return
             if isinstance(item, list):
+                if not self._pending:
+                    self._gathering_since = time.monotonic()
                 self._pending.extend(Metric(*row) for row in item)
-                if self._incoming.empty() or len(self._pending) >= BATCH_LIMIT:
+                if len(self._pending) >= BATCH_LIMIT:
                     self._send()
             elif "tags" in item:
                 set_tags(self._client, self._run_id, item["tags"])
             else:
                 end = item["end"]
+
+    def _until_due(self) -> float | None:
+        """Seconds until the pending metrics are to be sent; None (no limit) when none are."""
+        if not self._pending:
+            return None
+        due = self._retry_at if self._retry_at is not None else self._gathering_since + SEND_EVERY_SECONDS
+        return max(due - time.monotonic(), 0.0)
 
     def _send(self, force: bool = False) -> None:
         if self._retry_at is not None and time.monotonic() < self._retry_at and not force:
