@@ -168,6 +168,15 @@ def test_evaluation_places_its_batches_as_training_does(make_cfg, checkpoint_dir
     assert layouts and all(layouts) and set(results) == {"val/loss", "val/accuracy"}
 
 
+@pytest.mark.parametrize("accumulated", [1, 2])
+def test_the_loss_a_step_reports_is_float32_whatever_dtype_the_loss_comes_in(make_cfg, checkpoint_dir, accumulated):
+    run, _ = recipe.setup(make_cfg(QUIET, "amp=bf16"), World(torch.device("cpu")), checkpoint_dir)
+    criterion = run.criterion
+    run.criterion = lambda outputs, targets: criterion(outputs, targets).bfloat16()  # a loss computed in bf16
+    batch = next(iter(run.val_loader))
+    assert recipe.train_step(run, [batch] * accumulated).dtype == torch.float32
+
+
 @pytest.mark.slow
 def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.compile=true", "trainer.max_steps=10"))

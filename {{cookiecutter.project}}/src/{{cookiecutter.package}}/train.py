@@ -308,7 +308,7 @@ def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tenso
             if len(micro_batches) > 1:  # the step's loss is their mean; a division by 1 would still cost an op
                 loss = loss / len(micro_batches)
             run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
-        total = loss.detach() if total is None else total + loss.detach()
+        total = loss.detach().float() if total is None else total + loss.detach()  # float32 whatever autocast chose
     # The mean over the processes, as their gradients are: a loss that is not finite on one of
     # them is seen by all, and all skip the same steps.
     total = run.world.mean(total)
