@@ -65,11 +65,17 @@ DATALOADER = SCRIPT.replace(
 )
 
 
-def timed(command: list[str], cwd: Path) -> float:
-    started = time.perf_counter()
+def run(command: list[str], cwd: Path) -> str:
+    """What `command` prints; a failure ends the benchmark with its error."""
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         sys.exit(f"`{' '.join(command[1:])}` failed:\n{result.stderr}")
+    return result.stdout
+
+
+def timed(command: list[str], cwd: Path) -> float:
+    started = time.perf_counter()
+    run(command, cwd)
     return time.perf_counter() - started
 
 

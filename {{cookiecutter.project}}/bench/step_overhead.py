@@ -13,22 +13,14 @@ interpreter, alternating, medians of `--repeats`. Target: run.py / DataLoader lo
 
 import argparse
 import itertools
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from mlflow import MlflowClient
-from startup import DATALOADER, PLAIN, alternating, run_py, workspace
+from startup import DATALOADER, PLAIN, alternating, run, run_py, workspace
 
 WARM_UP = 200  # steps left out of the timing
-
-
-def run(command: list[str], cwd: Path) -> str:
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        sys.exit(f"`{' '.join(command[1:])}` failed:\n{result.stderr}")
-    return result.stdout
 
 
 def loop_ms(script: str, steps: int, cwd: Path) -> float:
