@@ -297,7 +297,7 @@ def test_a_claim_held_by_another_process_is_refused_naming_it_and_kill_9_frees_i
 
 
 def test_a_child_forked_by_the_holder_does_not_keep_the_lock_after_the_holder_is_killed(tmp_path):
-    """Data-loader workers are forked children that outlive a killed run for seconds."""
+    """Data-loader workers are forked children, which off Linux outlive a killed run for seconds."""
     holder = hold(tmp_path, fork=True)
     holder.kill()
     holder.wait()

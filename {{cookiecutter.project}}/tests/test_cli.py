@@ -259,7 +259,7 @@ def test_a_disk_that_fills_up_mid_run_keeps_training_then_fails_naming_the_newes
 
 
 def test_kill_9_of_a_run_with_data_workers_leaves_no_lock_for_the_resume_right_after(project):
-    """Forked data-loader workers outlive a killed run for seconds; the lock must not."""
+    """Whether or not forked data-loader workers outlive a killed run, the lock must not."""
     home = project / "checkpoints" / "demo"
     settings = ["trainer.max_steps=100000", "checkpoint.every_n_steps=20", "data.num_workers=2", "mlflow.enabled=false"]
     process = start(project, *settings)

@@ -1,11 +1,15 @@
 """What can go wrong, and what happens: a loss that stops being a number, a disk that fills up,
 a second run with the same name, a folder that cannot take checkpoints, a schedule stretched
-by a resume. In each case nothing already saved is lost, and the run says so in one line."""
+by a resume, a run killed while its data workers run. In each case nothing already saved is lost,
+and the run says so in one line."""
 
 import errno
 import logging
 import math
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +282,66 @@ def test_a_full_disk_during_a_sharded_save_costs_a_warning_and_leaves_no_partial
     assert warnings[1:] == ["saving works again: step 15 is saved"]
     names = sorted(path.name for path in checkpoint_dir.iterdir())
     assert names == ["latest", "run.lock", "step_00000005", "step_00000015", "step_00000020"]
+
+
+KILLED_WHILE_ITS_WORKER_WAITS = """
+import os, time, torch
+from {{cookiecutter.package}}.config import DeviceConfig
+from {{cookiecutter.package}}.data import evaluation_loader
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.tensor(os.getpid())
+
+batches = iter(evaluation_loader(Pids(), 8, 1, DeviceConfig()))
+print(next(batches)[0].item(), flush=True)
+time.sleep(60)
+"""
+
+
+def ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel ends a worker with its parent on Linux only")
+def test_a_data_worker_ends_as_soon_as_its_run_is_killed():
+    """Torch's own check would find the run gone only after its 5 s wait for the next batch."""
+    run = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_ITS_WORKER_WAITS], stdout=subprocess.PIPE, text=True)
+    worker = int(run.stdout.readline())
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 2
+    while not ended(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ended(worker)
+
+
+RUN_GONE_BEFORE_ITS_WORKER_STARTS = """
+import os, time
+from {{cookiecutter.package}}.data import end_with_the_run
+
+run = os.getpid()
+if os.fork() == 0:
+    while os.getppid() == run:
+        time.sleep(0.01)
+    print("worker starts", flush=True)
+    end_with_the_run(run, worker_id=0)
+    print("the worker outlived its run", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_data_worker_whose_run_ended_while_it_started_ends_too():
+    """Torch's check takes the parent a worker finds at start-up for its run: had the run just
+    died, that parent is whichever process adopted the worker, and the worker would wait forever,
+    holding the output of whoever started the run."""
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_GONE_BEFORE_ITS_WORKER_STARTS], capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (0, "", "worker starts\n")

@@ -81,8 +81,8 @@ def claim(home: Path) -> Iterator[None]:
 
     The lock is a POSIX record lock (`lockf`) on `run.lock`. The OS drops it when the process
     ends, however it ends, so kill -9 never leaves a stale lock; and unlike `flock`, processes
-    forked by the run (data-loader workers, which outlive a killed parent by seconds) do not
-    inherit it. The file names the holder for whoever finds it locked.
+    forked by the run (data-loader workers, which off Linux outlive a killed parent by seconds) do
+    not inherit it. The file names the holder for whoever finds it locked.
     """
     with _open_lock(home) as lock:  # closing it releases the lock
         if _lock(lock, home):

@@ -5,8 +5,14 @@ mid-epoch, and the loaders. The datasets themselves come from the `data` compone
 would have seen.
 """
 
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from omegaconf import DictConfig
@@ -103,6 +109,7 @@ def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: 
         sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size, whole_batches),
         drop_last=not whole_batches,  # equal batches: a position is a count of whole global batches
         num_workers=cfg.get("num_workers", 0),
+        worker_init_fn=ending_with_this_process(),
         pin_memory=device.pin_memory,
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
         # draws worker seeds from the global torch generator, and a resumed run's dropout masks
@@ -121,10 +128,37 @@ def evaluation_loader(
     without one draws its seed from the global generator, and evaluating would then shift the
     random numbers of training."""
     share = range(world.rank, len(dataset), world.size) if world is not None else range(len(dataset))
-    settings = {"num_workers": num_workers, "pin_memory": device.pin_memory, "generator": torch.Generator()}
+    settings = {
+        "num_workers": num_workers,
+        "worker_init_fn": ending_with_this_process(),
+        "pin_memory": device.pin_memory,
+        "generator": torch.Generator(),
+    }
     if isinstance(dataset, TensorDataset):  # a batch in one lookup, as in build_loader
         return DataLoader(dataset, batch_size=None, sampler=torch.tensor(share).split(batch_size), **settings)
     return DataLoader(Subset(dataset, share), batch_size=batch_size, **settings)
+
+
+def ending_with_this_process() -> partial:
+    """What a data-loader worker of this process runs first (`worker_init_fn`), so that it ends
+    when this process does, however that happens."""
+    # Workers forked by a fork server are that server's children, not this process's.
+    parent = os.getpid() if multiprocessing.get_start_method() != "forkserver" else None
+    return partial(end_with_the_run, parent)
+
+
+def end_with_the_run(parent: int | None, worker_id: int) -> None:
+    """Torch's workers look for a dead parent every 5 s, and never if it died while they were
+    starting up: one killed run could leave workers behind for good, holding its memory, its
+    terminal's output and the pipes of whoever started it. On Linux the kernel now kills a worker
+    as its parent ends; a parent already gone by then ends the worker here."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tensor]]:
