@@ -6,6 +6,7 @@ and the run says so in one line."""
 import errno
 import logging
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -345,3 +346,21 @@ def test_a_data_worker_whose_run_ended_while_it_started_ends_too():
         [sys.executable, "-c", RUN_GONE_BEFORE_ITS_WORKER_STARTS], capture_output=True, text=True, timeout=60
     )
     assert (result.returncode, result.stderr, result.stdout) == (0, "", "worker starts\n")
+
+
+UNDER_A_FORK_SERVER = """
+import multiprocessing, torch
+from torch.utils.data import TensorDataset
+from {{cookiecutter.package}}.config import DeviceConfig
+from {{cookiecutter.package}}.data import evaluation_loader
+
+multiprocessing.set_start_method("forkserver")  # the default from Python 3.14 on
+print(sum(len(targets) for (targets,) in evaluation_loader(TensorDataset(torch.arange(64)), 8, 2, DeviceConfig())))
+"""
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server here")
+def test_data_workers_that_a_fork_server_starts_are_not_taken_for_orphans():
+    """Their parent is the fork server, not the run."""
+    result = subprocess.run([sys.executable, "-c", UNDER_A_FORK_SERVER], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr, result.stdout) == (0, "", "64\n")

@@ -142,8 +142,10 @@ def evaluation_loader(
 def ending_with_this_process() -> partial:
     """What a data-loader worker of this process runs first (`worker_init_fn`), so that it ends
     when this process does, however that happens."""
-    # Workers forked by a fork server are that server's children, not this process's.
-    parent = os.getpid() if multiprocessing.get_start_method() != "forkserver" else None
+    # As the loader will start them, without fixing the start method for the rest of the program.
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    # Workers started by a fork server are that server's children, not this process's.
+    parent = os.getpid() if method != "forkserver" else None
     return partial(end_with_the_run, parent)
 
 
