@@ -318,6 +318,61 @@ def test_a_claim_removes_only_the_temporary_files_this_module_writes(tmp_path):
     )
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_file_that_links_elsewhere_is_refused_in_one_line_and_what_it_names_is_untouched(tmp_path, link):
+    thesis, home = tmp_path / "thesis.txt", tmp_path / "checkpoints" / "x"
+    thesis.write_text("my thesis")
+    home.mkdir(parents=True)
+    (home / "run.lock").symlink_to(thesis) if link == "symbolic" else (home / "run.lock").hardlink_to(thesis)
+    with pytest.raises(RunError) as raised, checkpoints.claim(home):
+        pass
+    lock = home / "run.lock"
+    assert str(raised.value) == (
+        f"{lock} is a {link} link, which this run would write through; it writes only files of its own there: "
+        f"remove it (rm {lock}) and run again"
+    )
+    assert thesis.read_text() == "my thesis"
+
+
+def test_the_files_a_claim_and_a_save_write_replace_links_instead_of_writing_through_them(tmp_path):
+    """`latest`, a checkpoint's own name, and the sweep's result files: written under a new name
+    and renamed over whatever stood there, so a link is replaced, never followed."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine")
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("latest", "step_00000010.pt", "result.json"):
+        (home / name).symlink_to(outside)
+    save_steps(home, 10)
+    checkpoints.write_text(home / "result.json", "{}")
+    assert outside.read_text() == "mine"
+    assert not any((home / name).is_symlink() for name in ("latest", "step_00000010.pt", "result.json"))
+    assert checkpoints.load(home / "step_00000010.pt")["step"] == 10
+
+
+def test_checkpoints_are_set_aside_into_a_new_folder_even_when_its_name_is_taken(tmp_path, monkeypatch):
+    save_steps(tmp_path, 10, 20)
+    monkeypatch.setattr(checkpoints.time, "strftime", lambda pattern: "20260101-000000")
+    taken = tmp_path / "set-aside-20260101-000000-after-step-10"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    taken.symlink_to(elsewhere)
+    folder = checkpoints.set_aside_newer(tmp_path, 10)
+    assert folder == tmp_path / "set-aside-20260101-000000-after-step-10-1"
+    assert [path.name for path in folder.iterdir()] == ["step_00000020.pt"] and not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("where", ["name", "folder"])
+def test_a_name_longer_than_the_file_system_allows_is_refused_in_one_line(tmp_path, where):
+    home = tmp_path / "checkpoints" / ("n" * 300) if where == "name" else tmp_path / ("d" * 300) / "demo"
+    with pytest.raises(RunError) as raised, checkpoints.claim(home):
+        pass
+    assert str(raised.value) == (
+        f"cannot write checkpoints to {home}: its part {home.parts[-1 if where == 'name' else -2][:40]!r}... is 300 "
+        f"bytes, more than the file system allows in a name; choose a shorter name=<name> or checkpoint.dir=<path>"
+    )
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
     target = tmp_path / "not-a-folder"
     target.write_text("mine")

@@ -192,6 +192,8 @@ def test_a_second_run_with_the_same_name_stops_at_once_and_the_first_keeps_its_c
             "error: data ({{cookiecutter.package}}.datasets.digits): val_fraction=0 must be above 0 and below 1",
         ),
         ("device.index=7", "error: device.index=7 means nothing on device=cpu"),
+        ("seed=-1", "error: seed=-1 must be between 0 and 2147483647 (each process draws from seed + its rank)"),
+        (f"name={'n' * 300}", "error: cannot write checkpoints to "),
         ("mlflow.tracking_uri=foo://bar", "error: mlflow.tracking_uri=foo://bar: MLflow "),
         ("mlflow.tracking_uri=file:///tmp/mlruns", "error: mlflow.tracking_uri=file:///tmp/mlruns is a file store"),
     ],

@@ -246,6 +246,43 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
 
 
 @slow
+def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_traceback(project):
+    home = project / "checkpoints" / "demo"
+    process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false")
+    wait_for_a_save(home, process)
+    survivor, victim = ranks(process)[0], ranks(process)[1]
+    # torchrun stops the other workers as soon as one dies: held, it lets rank 0 find out by itself.
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not exited(survivor):
+            assert time.monotonic() < deadline, "rank 0 did not stop after rank 1 died"
+            time.sleep(0.05)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    _, stderr = process.communicate(timeout=120)
+    # torchrun ends with a traceback of its own; none may come from the project's code.
+    assert not re.search(rf'File "({re.escape(str(project))}|.*/{{cookiecutter.package}}/)', stderr), stderr
+    said = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith("error: another process of this job is gone ("), stderr
+    assert said[0].endswith(
+        "), so this one stops too; the reason is in the first lines of the process that stopped; then continue "
+        "the job from its newest checkpoint with resume=last"
+    )
+    assert checkpoints.newest_valid(home) is not None
+
+
+def exited(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie its stopped parent has not reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@slow
 def test_the_cli_refuses_a_launch_that_does_not_match_the_strategy_in_one_line(project):
     alone = run_cli(project, "strategy=ddp", "device=cpu")
     assert alone.returncode == 2 and "Traceback" not in alone.stderr

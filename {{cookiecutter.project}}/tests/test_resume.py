@@ -171,6 +171,53 @@ def test_a_fresh_run_refuses_to_overwrite_a_named_runs_checkpoints(make_cfg, che
     assert {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")} == saved
 
 
+def mlflow_record(client, run_id: str) -> dict:
+    """Everything MLflow holds of a run: status, params, tags and every value of every metric."""
+    run = client.get_run(run_id)
+    histories = {
+        key: [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, key)]
+        for key in run.data.metrics
+    }
+    return {"status": run.info.status, "params": run.data.params, "tags": run.data.tags, "metrics": histories}
+
+
+def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
+    make_cfg, client, checkpoint_dir, tmp_path
+):
+    other = recipe.train(make_cfg("name=other-run", "trainer.max_steps=20"))
+    files = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir() if path.name != "run.lock"}
+    record = mlflow_record(client, other["run_id"])
+    refusal = (
+        " is a checkpoint of the run 'other-run', not of '{}'; continue that run with name=other-run resume=last; "
+        "a new run that starts from its weights is fine-tuning, not a resume"
+    )
+    step_10 = checkpoint_dir / "step_00000010.pt"
+    with pytest.raises(RunError) as raised:  # a new name, from one of its checkpoints
+        recipe.train(
+            make_cfg("name=ft", f"checkpoint.dir={tmp_path / 'ft'}", f"resume={step_10}", "trainer.max_steps=30")
+        )
+    assert str(raised.value) == f"{step_10}" + refusal.format("ft")
+    with pytest.raises(RunError) as raised:  # a new name on its folder
+        recipe.train(make_cfg("name=t6y", "resume=last", "trainer.max_steps=30"))
+    assert str(raised.value) == f"{checkpoint_dir / 'step_00000020.pt'}" + refusal.format("t6y")
+    assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir() if path.name != "run.lock"} == files
+    assert mlflow_record(client, other["run_id"]) == record
+    assert client.get_experiment_by_name("ft") is None and client.get_experiment_by_name("t6y") is None
+
+
+def test_a_resume_that_changes_the_global_batch_says_so_with_the_settings_that_keep_it(make_cfg, client, caplog):
+    recipe.train(make_cfg("trainer.max_steps=10"))
+    with caplog.at_level(logging.INFO):
+        resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "data.batch_size=32"))
+    said = (
+        r"resumed at step 10 on cpu: loss at save \S+, loss now \S+ \(ok\); the global batch changes from 64 to 32 "
+        r"samples a step: resume with data\.batch_size=64 or trainer\.grad_accum_steps=2 to keep it$"
+    )
+    assert re.search(said, caplog.text, re.MULTILINE), caplog.text
+    run = client.get_run(resumed["run_id"])
+    assert run.data.params["global_batch"] == "64" and run.data.tags["resume.1.global_batch"] == "32"
+
+
 def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_not(make_cfg, caplog):
     with caplog.at_level(logging.INFO):
         first = recipe.train(make_cfg("trainer.max_steps=10", "resume=auto"))

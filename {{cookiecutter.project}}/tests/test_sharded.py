@@ -123,12 +123,21 @@ def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(
     alone = train_alone(project, "trainer.max_steps=40", "resume=last")
     assert "resumed at step 20 on cpu" in alone and "(ok)" in alone
     assert "the checkpoint holds the random state of 2 process(es), this run has 1" in alone
+    assert (
+        "(ok); the global batch changes from 128 to 64 samples a step (2 -> 1 processes): resume with "
+        "data.batch_size=128 or trainer.grad_accum_steps=2 to keep it"
+    ) in alone
     again = finished(torchrun(project, "trainer.max_steps=60", "resume=last", strategy="fsdp"))
     assert "resumed at step 40 on cpu" in again and "(ok)" in again
+    assert (
+        "the global batch changes from 64 to 128 samples a step (1 -> 2 processes): resume with data.batch_size=32"
+        in again
+    )
 
     run = only_run(store(project), "demo")
     assert run.data.tags["resumes"] == "2" and run.data.tags["continuity"] == "ok"
     assert run.data.tags["strategy"] == "fsdp" and run.data.tags["world_size"] == "2"
+    assert run.data.params["global_batch"] == "128" and run.data.tags["resume.1.global_batch"] == "64"
     assert sorted(losses(store(project), run.info.run_id)) == list(range(1, 61))  # each step once
     assert sorted(path.name for path in home.iterdir() if checkpoints.NAME.fullmatch(path.name))[-1] == "step_00000060"
 

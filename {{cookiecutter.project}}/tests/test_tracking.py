@@ -4,8 +4,11 @@ die with, the tracking store."""
 import contextlib
 import json
 import logging
+import os
 import queue
+import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import losses, run_cli, start
+from conftest import losses, run_cli, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -28,7 +31,7 @@ from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.mlflow_store import _Sender, connect, experiment_id, replay
 from {{cookiecutter.package}}.provenance import record
-from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri
+from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri, spill
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):
@@ -92,12 +95,37 @@ def test_a_checkpoint_whose_run_is_not_in_the_store_continues_in_a_new_tagged_ru
 
 
 @pytest.mark.slow
-def test_a_checkpoint_whose_run_was_deleted_in_the_ui_continues_in_a_new_run(make_cfg, client):
+def test_a_checkpoint_whose_run_was_deleted_in_the_ui_continues_in_a_new_run(make_cfg, client, capfd):
     first = recipe.train(make_cfg("trainer.max_steps=10"))
     client.delete_run(first["run_id"])
     resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last"))
     assert resumed["run_id"] not in (None, first["run_id"])
     assert client.get_run(resumed["run_id"]).data.tags["resumed_from_checkpoint"].endswith("step_00000010.pt")
+    assert (
+        f"MLflow run {first['run_id']} is deleted; continuing in a new run (`MLFLOW_TRACKING_URI="
+        f"{client.tracking_uri} mlflow runs restore --run-id {first['run_id']}` brings the old one back)"
+    ) in capfd.readouterr().err
+
+
+def test_a_checkpoint_whose_experiment_was_deleted_says_so_and_restoring_it_continues_the_run(make_cfg, client, capfd):
+    settings = ["mlflow.experiment_name=deleted-then-restored", "trainer.max_steps=10"]
+    first = recipe.train(make_cfg(*settings))
+    experiment = client.get_run(first["run_id"]).info.experiment_id
+    client.delete_experiment(experiment)
+    untracked = recipe.train(make_cfg(*settings, "trainer.max_steps=20", "resume=last"))
+    assert untracked["run_id"] is None
+    restore = f"MLFLOW_TRACKING_URI={client.tracking_uri} mlflow experiments restore --experiment-id {experiment}"
+    said = capfd.readouterr().err
+    assert (
+        f"failed (the MLflow experiment 'deleted-then-restored' is deleted, and run {first['run_id']} with it; "
+        f"restore it with `{restore}`, or log to another with mlflow.experiment_name=<name>); training goes on "
+        f"without tracking"
+    ) in said
+    assert "is not in" not in said
+
+    client.restore_experiment(experiment)
+    resumed = recipe.train(make_cfg(*settings, "trainer.max_steps=30", "resume=last"))
+    assert resumed["run_id"] == first["run_id"], "the restored run goes on"
 
 
 def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goes_on(make_cfg, tmp_path):
@@ -151,11 +179,13 @@ class Store:
 
 def drain(
     store, spill: Path, rows_by_step: dict[int, float], *, hold=None, end: dict | None = None, pause: float = 0
-) -> None:
+) -> list[int]:
     """Runs the sender loop in a thread over metrics handed over one step at a time, `pause`
-    seconds apart, then ends it, with the end of the run when given; `hold` runs before the end."""
+    seconds apart, then ends it, with the end of the run when given; `hold` runs before the end.
+    Returns what the sender confirmed, in order."""
     incoming: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_Sender(store, "run", spill, incoming).run)
+    confirmed: list[int] = []
+    sender = threading.Thread(target=_Sender(store, "run", spill, incoming, confirm=confirmed.append).run)
     sender.start()
     for step, value in rows_by_step.items():
         incoming.put([["train/loss", value, 0, step]])
@@ -167,6 +197,7 @@ def drain(
     incoming.put(None)
     sender.join(timeout=60)
     assert not sender.is_alive()
+    return confirmed
 
 
 def sent_steps(store: Store) -> list[int]:
@@ -313,6 +344,96 @@ def test_replay_into_a_store_without_the_run_says_so_in_one_line(tmp_path):
     assert replayed.returncode == 1
     (last,) = [line for line in replayed.stderr.splitlines() if "mlflow.store.db.utils" not in line]
     assert last.startswith(f"error: could not replay {spill} into {store} (Run with id={'0' * 32} not found); ")
+
+
+def sender_of(process: subprocess.Popen) -> int:
+    """The pid of the MLflow sender process that `process` (python run.py) started."""
+    found = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "tracking drain"], capture_output=True, text=True)
+    (pid,) = found.stdout.split()
+    return int(pid)
+
+
+def test_a_sender_killed_mid_run_loses_no_metric_and_the_run_still_ends_as_it_did(project):
+    home = project / "checkpoints" / "demo"
+    process = start(project, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=50")
+    while not metrics_in(project / "mlflow.db"):  # the sender has opened the run and delivers
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    os.kill(sender_of(process), signal.SIGKILL)
+    wait_for_a_save(home, process)  # metrics handed over after the sender died, checkpoint/loss among them
+    process.send_signal(signal.SIGTERM)
+    output = "".join(process.communicate(timeout=180))
+    assert process.returncode == 128 + signal.SIGTERM, output
+    saved = checkpoints.newest_valid(home)[1]
+    run_id, last = saved["tracker"]["run_id"], saved["step"]
+    spill = home / f"unsent-metrics-{run_id}.jsonl"
+    said = r"the MLflow sender process died \(exit code -9\); the metrics from step \d+ on were kept in "
+    assert re.search(said + re.escape(f"{spill}; sent now, with the end of the run"), output), output
+    assert "Traceback" not in output
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    assert losses(client, run_id).keys() == set(range(1, last + 1)), "every step, once"
+    assert all(len(values) == 1 for values in losses(client, run_id).values())
+    assert losses(client, run_id, "checkpoint/loss").keys() == {*range(50, last + 1, 50), last}  # the last at SIGTERM
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert not spill.exists(), "delivered: nothing is left to replay"
+
+
+def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down(make_cfg, client, tmp_path, caplog):
+    tracker = Tracker(make_cfg().mlflow, tmp_path)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
+    run_id = tracker.run_id  # waits for the sender to open the run
+    tracker.log_metrics({"train/loss": 0.5}, 1)
+    tracker.flush()
+    tracker._sender._child.kill()
+    tracker.log_metrics({"train/loss": 0.25}, 2)
+    tracker._cfg.tracking_uri = f"sqlite:///{tmp_path / 'gone' / 'mlflow.db'}"  # the store is down at the end
+    with caplog.at_level(logging.WARNING):
+        tracker.finish("FINISHED")
+    spill = tmp_path / f"unsent-metrics-{run_id}.jsonl"
+    rows = [json.loads(line) for line in spill.read_text().splitlines()]
+    assert [(row.get("step"), row.get("status")) for row in rows][-1] == (None, "FINISHED")
+    assert {row["step"] for row in rows if "step" in row} >= {2}, "what came after the death"
+    assert f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.tracking replay {spill}" in (
+        caplog.text
+    )
+    assert client.get_run(run_id).info.status == "RUNNING", "not FINISHED while its metrics are missing"
+
+    replay(spill, client.tracking_uri)
+    assert losses(client, run_id) == {1: [0.5], 2: [0.25]}
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_spill_file_that_is_a_link_is_not_written_through(tmp_path):
+    outside, path = tmp_path / "outside.txt", tmp_path / "unsent-metrics-abc.jsonl"
+    outside.write_text("mine")
+    path.symlink_to(outside)
+    row = {"run_id": "abc", "key": "train/loss", "value": 1.0, "timestamp": 0, "step": 1}
+    written = spill(path, [row])
+    assert outside.read_text() == "mine"
+    assert written == tmp_path / f"unsent-metrics-abc.{os.getpid()}.jsonl"
+    assert json.loads(written.read_text()) == row
+
+
+def test_a_line_cut_short_by_a_killed_writer_costs_that_line_alone(tmp_path, client):
+    run_id = client.create_run(client.create_experiment("cut-short")).info.run_id
+    path = tmp_path / f"unsent-metrics-{run_id}.jsonl"
+
+    def row(step: int) -> dict:
+        return {"run_id": run_id, "key": "train/loss", "value": float(step), "timestamp": 0, "step": step}
+
+    path.write_text(json.dumps(row(1)) + "\n" + json.dumps(row(2))[:30])  # a writer killed mid-line
+    spill(path, [row(3)])
+    assert replay(path, client.tracking_uri) == (2, {})
+    assert losses(client, run_id) == {1: [1.0], 3: [3.0]}
+
+
+def test_the_sender_confirms_each_metric_once_delivered_or_spilled(tmp_path):
+    store = Store()
+    confirmed = drain(store, tmp_path / "unsent.jsonl", {step: 1.0 for step in range(1, 31)})
+    assert confirmed and confirmed == sorted(confirmed) and confirmed[-1] == 30
+    store.failing = True
+    assert drain(store, tmp_path / "unsent.jsonl", {step: 1.0 for step in range(1, 11)})[-1] == 10, "spilled"
 
 
 def test_a_sender_that_died_leaves_the_end_of_the_run_to_the_trainer(make_cfg, client, tmp_path):

@@ -17,6 +17,7 @@ whose names it writes itself.
 
 import contextlib
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -25,6 +26,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import time
 import zipfile
@@ -95,13 +97,30 @@ def claim(home: Path) -> Iterator[None]:
 
 
 def _open_lock(home: Path) -> BinaryIO:
+    """The lock file, opened without following a link: it is truncated and written, and a link
+    (`run.lock -> ~/thesis.txt`) would carry that write out of the folder, onto whatever it names."""
+    path = home / LOCK
     try:
         home.mkdir(parents=True, exist_ok=True)
-        # Not "w": the holder's name stays readable until we hold the lock. Unbuffered: a write
-        # that fails (a full disk) fails at once, and closing has nothing left to fail on.
-        return open(home / LOCK, "a+b", buffering=0)
+        # Not truncated on open: the holder's name stays readable until we hold the lock.
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise RunError(_not_ours(path, "a symbolic link")) from None
         raise RunError(_unusable(home, error)) from None
+    found = os.fstat(descriptor)
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink > 1:  # a FIFO, a device, a hard link to another file
+        os.close(descriptor)
+        raise RunError(_not_ours(path, "not a plain file" if not stat.S_ISREG(found.st_mode) else "a hard link"))
+    # Unbuffered: a write that fails (a full disk) fails at once, and closing has nothing left to fail on.
+    return os.fdopen(descriptor, "r+b", buffering=0)
+
+
+def _not_ours(path: Path, what: str) -> str:
+    return (
+        f"{path} is {what}, which this run would write through; it writes only files of its own there: "
+        f"remove it (rm {path}) and run again"
+    )
 
 
 def _lock(lock: BinaryIO, home: Path) -> bool:
@@ -125,7 +144,8 @@ def _lock(lock: BinaryIO, home: Path) -> bool:
 
 
 def _name_the_holder(lock: BinaryIO) -> None:
-    lock.truncate(0)  # in append mode, the write below then starts the file
+    lock.seek(0)
+    lock.truncate(0)
     lock.write(f"PID {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
 
 
@@ -163,7 +183,15 @@ def _remove(path: Path) -> None:
 
 
 def _unusable(home: Path, error: OSError) -> str:
-    reason = "it is a file, not a folder" if home.is_file() else error.strerror or str(error)
+    if error.errno == errno.ENAMETOOLONG:
+        longest = max(home.parts, key=lambda part: len(part.encode()))
+        return (
+            f"cannot write checkpoints to {home}: its part {longest[:40]!r}... is {len(longest.encode())} bytes, "
+            f"more than the file system allows in a name; choose a shorter name=<name> or checkpoint.dir=<path>"
+        )
+    reason = (
+        "it is a file, not a folder" if error.errno in (errno.EEXIST, errno.ENOTDIR) else error.strerror or str(error)
+    )
     return (
         f"cannot write checkpoints to {home} ({reason}); free space or fix its permissions, "
         f"or choose another folder with checkpoint.dir=<path>"
@@ -472,8 +500,12 @@ def set_aside_newer(home: Path, step: int) -> Path | None:
     newer = [path for number, path in _steps(home) if number > step]
     if not newer:
         return None
-    folder = home / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
-    folder.mkdir()
+    name = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+    for attempt in itertools.count():  # a new folder: one that is there already (a link, say) is not ours
+        folder = home / (name if attempt == 0 else f"{name}-{attempt}")
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+            break
     for path in newer:
         os.replace(path, folder / path.name)
     return folder
@@ -492,6 +524,12 @@ def _steps(home: Path) -> list[tuple[int, Path]]:
 def _prune(home: Path, keep_last: int) -> None:
     for _, path in sorted(_steps(home), reverse=True)[keep_last:]:
         _remove(path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replaces `path` with a file holding `text`, whole or not at all, and never writes through
+    a link that stands there."""
+    _write_atomically(path, lambda file: file.write(text.encode()), durable=False)
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: bool) -> None:

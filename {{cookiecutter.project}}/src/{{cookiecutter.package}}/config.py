@@ -215,6 +215,7 @@ RULES = [
         "trainer.progress_every_s",
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
+    ("seed", lambda v: 0 <= v < 2**31, "must be between 0 and 2147483647 (each process draws from seed + its rank)"),
 ]  # fmt: skip
 # A component's own ranges (optimizer.lr=-1, model.dropout=1.5) are its constructor's to refuse.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Dataset, Subset
 
-from .data import evaluation_loader
+from .data import evaluation_loader, global_batch
 from .errors import RunError
 from .evaluation import evaluate
 
@@ -69,6 +69,7 @@ def check(run: Run, saved: dict, step: int) -> str:
     run.tracker.log_metrics({"resume/loss": now, "resume/loss_delta": abs(now - before)}, step)
     run.tracker.set_tags({"continuity": verdict})
     line = f"resumed at step {step} on {run.device}: loss at save {before:.4f}, loss now {now:.4f} ({verdict})"
+    line += batch_change(saved, run)
     if ok:
         log.info(line)
         return verdict
@@ -84,3 +85,25 @@ def check(run: Run, saved: dict, step: int) -> str:
 
 def amp_setting(cfg) -> dict:
     return {"enabled": cfg.amp.enabled, "dtype": cfg.amp.dtype}
+
+
+def batch_change(saved: dict, run: Run) -> str:
+    """What the resume does to the global batch (samples per optimizer step): nothing, or a clause
+    with the settings that keep it. Not a break in continuity, whatever the number of processes
+    (the probe is evaluated whole), but the steps after it train on another batch."""
+    before, now = global_batch(saved["config"], len(saved["rng"]["ranks"])), global_batch(run.cfg, run.world.size)
+    if before == now:
+        return ""
+    keep = [
+        f"{key}={before * value // now}"
+        for key, value in (
+            ("data.batch_size", run.cfg.data.batch_size),
+            ("trainer.grad_accum_steps", run.cfg.trainer.grad_accum_steps),
+        )
+        if before * value % now == 0
+    ]
+    saved_processes = len(saved["rng"]["ranks"])
+    processes = f" ({saved_processes} -> {run.world.size} processes)" if saved_processes != run.world.size else ""
+    return f"; the global batch changes from {before} to {now} samples a step{processes}" + (
+        f": resume with {' or '.join(keep)} to keep it" if keep else ""
+    )

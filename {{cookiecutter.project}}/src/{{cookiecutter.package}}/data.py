@@ -87,6 +87,11 @@ class EpochSampler(Sampler[int | torch.Tensor]):
         return batches if self.whole_batches else batches * self.batch_size
 
 
+def global_batch(config: DictConfig | dict, processes: int) -> int:
+    """Samples an optimizer step trains on: `data.batch_size` per process and accumulated batch."""
+    return config["data"]["batch_size"] * config["trainer"]["grad_accum_steps"] * processes
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 

@@ -154,9 +154,33 @@ def join(cfg: "Config") -> Iterator[World]:
     )
     try:
         yield World(device, rank, local_rank, size, backend, sharded=cfg.strategy.type == "fsdp")
+    except Exception as error:
+        if (lost := peer_lost(error, cfg.strategy.timeout_s)) is None:
+            raise
+        raise RunError(
+            f"{lost}, so this one stops too; the reason is in the first lines of the process that stopped; "
+            f"then continue the job from its newest checkpoint with resume=last"
+        ) from None
     finally:
         leave_after_main(rank)
         dist.destroy_process_group()
+
+
+# How gloo, NCCL and the c10d store say that a collective step failed: they raise a plain
+# RuntimeError whose text starts with the C++ source that raised it.
+BROKEN_GROUP = re.compile(r"gloo|nccl|xccl|c10d|ProcessGroup|Connection (reset|closed) by peer", re.IGNORECASE)
+
+
+def peer_lost(error: Exception, timeout_s: int) -> str | None:
+    """What a failed collective step says about the other processes, in a few words; None when
+    `error` is not one (a bug of this process keeps its traceback)."""
+    text = str(error).strip()
+    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and BROKEN_GROUP.search(text)):
+        return None
+    if re.search(r"timed? ?out", text, re.IGNORECASE):
+        return f"another process of this job did not answer within strategy.timeout_s={timeout_s} s"
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(error).__name__)  # the C++ source
+    return f"another process of this job is gone ({detail.split('. ')[0]})"
 
 
 def leave_after_main(rank: int) -> None:

@@ -14,6 +14,7 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -29,7 +30,7 @@ from sqlalchemy.engine import make_url
 
 from .config import MlflowConfig
 from .errors import RunError, first_line
-from .tracking import spill_path
+from .tracking import replay_command, spill, spill_path
 
 try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry
@@ -114,7 +115,18 @@ class RunOpener:
         except MlflowException:
             run = None
         if run is None or run.info.lifecycle_stage == "deleted":
-            log.info(f"MLflow run {run_id} is not in {self.cfg.tracking_uri}; continuing in a new run")
+            if run_id is None:
+                log.info("the checkpoint was written untracked; continuing in a new MLflow run")
+            elif run is None:
+                log.info(f"MLflow run {run_id} is not in {self.cfg.tracking_uri}; continuing in a new run")
+            else:
+                experiment = self.client.get_experiment(run.info.experiment_id)
+                if experiment.lifecycle_stage == "deleted":  # with its runs: a new one cannot go there either
+                    raise RunError(_deleted(experiment, self.cfg.tracking_uri, f", and run {run_id} with it"))
+                log.info(
+                    f"MLflow run {run_id} is deleted; continuing in a new run (`MLFLOW_TRACKING_URI="
+                    f"{self.cfg.tracking_uri} mlflow runs restore --run-id {run_id}` brings the old one back)"
+                )
             self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
             return
         self.run_id = run_id
@@ -163,6 +175,8 @@ def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
 def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
     """The id of `mlflow.experiment_name`, created on first use, of the model-training kind."""
     experiment = client.get_experiment_by_name(cfg.experiment_name)
+    if experiment is not None and experiment.lifecycle_stage == "deleted":  # its name is still taken
+        raise RunError(_deleted(experiment, cfg.tracking_uri))
     if experiment is not None:
         if KIND not in experiment.tags:  # created before this project set it, or by hand
             client.set_experiment_tag(experiment.experiment_id, KIND, MODEL_TRAINING)
@@ -174,6 +188,14 @@ def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
     location = (database.parent / "mlruns").as_uri()
     tags = {KIND: MODEL_TRAINING, FOLLOWS_STORE: "true"}
     return client.create_experiment(cfg.experiment_name, artifact_location=location, tags=tags)
+
+
+def _deleted(experiment: Any, tracking_uri: str, what_else: str = "") -> str:
+    return (
+        f"the MLflow experiment {experiment.name!r} is deleted{what_else}; restore it with `MLFLOW_TRACKING_URI="
+        f"{tracking_uri} mlflow experiments restore --experiment-id {experiment.experiment_id}`, or log to "
+        f"another with mlflow.experiment_name=<name>"
+    )
 
 
 def _sqlite_file(tracking_uri: str) -> Path | None:
@@ -224,22 +246,16 @@ def _follow_moved_store(tracking_uri: str) -> None:
             )
 
 
-def _replay_command(spill: Path) -> str:
-    return f"python -m {__package__}.tracking replay {spill} --tracking-uri <uri>"
-
-
-def end_run(client: MlflowClient, run_id: str, end: dict, spill: Path) -> None:
+def end_run(client: MlflowClient, run_id: str, end: dict, spill_file: Path) -> None:
     """Ends the run with `end` (status, end time, resumes so far); if the store refuses, appends
-    the end to `spill` for `replay`. The caller must be the only writer of `spill`."""
+    the end to `spill_file` for `replay`. The caller must be the only writer of `spill_file`."""
     try:
         client.set_terminated(run_id, status=end["status"], end_time=end["end_time"])
     except Exception as error:
-        spill.parent.mkdir(parents=True, exist_ok=True)
-        with open(spill, "a") as file:
-            file.write(json.dumps({"run_id": run_id, **end}) + "\n")
+        written = spill(spill_file, [{"run_id": run_id, **end}])
         log.warning(
             f"could not mark MLflow run {run_id} {end['status']} ({first_line(error)}); that is recorded in "
-            f"{spill}, and `{_replay_command(spill)}` ends the run when the store is back"
+            f"{written}, and `{replay_command(written)}` ends the run when the store is back"
         )
 
 
@@ -250,14 +266,22 @@ class _Sender:
     When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`. `incoming`
     holds lists of metric rows, tags ({"tags": ...}) and the end of the run ({"end": ...}), then
     None; or None alone when the trainer died. Then the system metrics monitor (if any) stops,
-    what is still pending goes to `spill`, a JSON-lines file, and the run is ended.
+    what is still pending goes to `spill_file`, a JSON-lines file, and the run is ended. Each time
+    metrics are delivered or spilled, `confirm` is told how many have been, counted from the start.
     """
 
     def __init__(
-        self, client: MlflowClient, run_id: str, spill: Path, incoming: queue.Queue, monitor: Any = None
+        self,
+        client: MlflowClient,
+        run_id: str,
+        spill_file: Path,
+        incoming: queue.Queue,
+        confirm: Callable[[int], None],
+        monitor: Any = None,
     ) -> None:
-        self._client, self._run_id, self._spill, self._incoming = client, run_id, spill, incoming
-        self._monitor = monitor
+        self._client, self._run_id, self._spill_file, self._incoming = client, run_id, spill_file, incoming
+        self._confirm, self._monitor = confirm, monitor
+        self._received = 0  # metrics, counted from the start
         self._pending: list[Metric] = []
         self._gathering_since = 0.0  # when the oldest pending metric arrived
         self._retry_at: float | None = None  # set while the store is failing
@@ -276,12 +300,13 @@ class _Sender:
                 self._send(force=True)
                 self._spill_pending()
                 if end is not None:  # a trainer that died said nothing: the run is left as it is
-                    end_run(self._client, self._run_id, end, self._spill)
+                    end_run(self._client, self._run_id, end, self._spill_file)
                 return
             if isinstance(item, list):
                 if not self._pending:
                     self._gathering_since = time.monotonic()
                 self._pending.extend(Metric(*row) for row in item)
+                self._received += len(item)
                 if len(self._pending) >= BATCH_LIMIT:
                     self._send()
             elif "tags" in item:
@@ -311,6 +336,7 @@ class _Sender:
                 self._retry_at = time.monotonic() + RETRY_SECONDS
                 return
             del self._pending[: len(batch)]
+            self._confirm(self._received - len(self._pending))
         if self._retry_at is not None:
             log.warning("MLflow is taking metrics again; the ones kept meanwhile are sent")
             self._retry_at = None
@@ -318,14 +344,15 @@ class _Sender:
     def _spill_pending(self) -> None:
         if not self._pending:
             return
-        self._spill.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._spill, "a") as file:
-            for metric in self._pending:
-                row = {"run_id": self._run_id, "key": metric.key, "value": metric.value, "step": metric.step}
-                file.write(json.dumps({**row, "timestamp": metric.timestamp}) + "\n")
+        rows = [
+            {"run_id": self._run_id, "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
+            for m in self._pending
+        ]
+        written = spill(self._spill_file, rows)
+        self._confirm(self._received)
         log.warning(
-            f"{len(self._pending)} metrics could not reach MLflow; they are in {self._spill}. Send them "
-            f"when the store is back: {_replay_command(self._spill)}"
+            f"{len(self._pending)} metrics could not reach MLflow; they are in {written}. Send them "
+            f"when the store is back: {replay_command(written)}"
         )
 
 
@@ -349,21 +376,27 @@ def drain() -> None:
     asked = first["open"]
     cfg = MlflowConfig(**asked["mlflow"])
     opened = open_run(cfg, asked)
-    with answer:
-        answer.write(
-            json.dumps({"run_id": opened and opened.run_id, "resumes": opened.resumes if opened else 0}) + "\n"
-        )
-    if opened is None:  # untracked: what the trainer hands over has nowhere to go
-        while incoming.get() is not None:
-            pass
-        return
-    monitor = None
-    if cfg.system_metrics:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri)
-        monitor.start()
-    _Sender(opened.client, opened.run_id, spill_path(Path(asked["spill_dir"]), opened.run_id), incoming, monitor).run()
+    def say(value: object) -> None:  # the trainer reads each line as it comes
+        answer.write(json.dumps(value) + "\n")
+        answer.flush()
+
+    with answer:  # open until the end: the trainer takes its closing for this process's exit
+        say({"run_id": opened and opened.run_id, "resumes": opened.resumes if opened else 0})
+        if opened is None:  # untracked: what the trainer hands over has nowhere to go
+            while incoming.get() is not None:
+                pass
+            return
+        monitor = None
+        if cfg.system_metrics:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(
+                opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri
+            )
+            monitor.start()
+        spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
+        _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor).run()
 
 
 def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
@@ -371,7 +404,11 @@ def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
     of; returns how many metrics were sent, and what became of each recorded end, by run."""
     client, metrics_by_run, ends = connect(tracking_uri), {}, {}
     for line in path.read_text().splitlines():
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a writer killed mid-write: what it held is lost
+            log.warning(f"skipping a line of {path} that was cut short: {line[:60]}")
+            continue
         if "status" in row:
             ends[row["run_id"]] = row  # a run resumed and stopped again: its last end counts
         else:

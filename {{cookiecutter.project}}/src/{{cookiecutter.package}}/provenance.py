@@ -9,6 +9,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from .data import global_batch
 from .devices import describe
 from .distributed import World
 
@@ -33,7 +34,10 @@ def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str
     }
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
-    params = flat_params(cfg)
+    params = {
+        **flat_params(cfg),
+        "global_batch": str(global_batch(cfg, world.size)),
+    }  # a resume on more processes changes it
     del params["mlflow.run_name"]  # the run's own name, and it may differ on resume
     if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
         del params["amp.dtype"]

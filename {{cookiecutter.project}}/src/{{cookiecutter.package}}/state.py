@@ -122,7 +122,8 @@ def read_shards(run: Run, path: Path, saved: dict) -> None:
 
 
 def check_fits(run: Run, path: Path, saved: dict) -> None:
-    """Fails, naming the mismatch, when the checkpoint cannot belong to this optimizer or model."""
+    """Fails, naming the mismatch, when the checkpoint cannot belong to this run, optimizer or model."""
+    check_same_run(run.cfg.name, path, saved)
     before, now = saved["config"]["optimizer"].get("_target_"), run.cfg.optimizer._target_
     if before != now:
         raise RunError(
@@ -136,6 +137,17 @@ def check_fits(run: Run, path: Path, saved: dict) -> None:
     else:
         saved_shapes = {key: tuple(value.shape) for key, value in saved["model"].items()}
     check_model_fits(run.model, saved_shapes)
+
+
+def check_same_run(name: str, path: Path, saved: dict) -> None:
+    """A resume continues the run that wrote the checkpoint, under its own name: the same
+    checkpoints and MLflow run carried on by two names would be two lines of one history."""
+    saved_name = saved["config"].get("name", name)
+    if saved_name != name:
+        raise RunError(
+            f"{path} is a checkpoint of the run {saved_name!r}, not of {name!r}; continue that run with "
+            f"name={saved_name} resume=last; a new run that starts from its weights is fine-tuning, not a resume"
+        )
 
 
 def check_model_fits(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:

@@ -11,19 +11,27 @@ session, so Ctrl-C and a killed trainer leave it to finish delivering what it wa
 
 A store that is down costs a warning, never the run: metrics wait and are retried, and those that
 never got through are written to a file, with the status the run should have ended with, that
-`python -m <package>.tracking replay` sends later.
+`python -m <package>.tracking replay` sends later. The sender confirms what it has delivered (or
+written to that file); if it dies (killed, out of memory), the training process writes what was
+not confirmed, and everything after it, the end of the run included, to the same file.
 """
 
 import argparse
+import collections
+import contextlib
+import errno
 import gc
 import importlib.util
 import json
 import logging
+import os
 import queue
+import stat
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -54,6 +62,42 @@ def check_tracking_uri(cfg: MlflowConfig) -> None:
 def spill_path(folder: Path, run_id: str) -> Path:
     """The file of the metrics (and the end) that a run could not deliver, for `replay`."""
     return folder / f"unsent-metrics-{run_id}.jsonl"
+
+
+def spill(path: Path, rows: Iterable[dict]) -> Path:
+    """Appends `rows` to the spill file `path` as JSON lines, and returns the file written: `path`,
+    or, where something other than a plain file of its own stands there (a link, which the write
+    would follow out of the folder), a file beside it named after this process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        descriptor = None
+    if descriptor is not None and not _plain(os.fstat(descriptor)):
+        os.close(descriptor)
+        descriptor = None
+    if descriptor is None:
+        log.warning(f"{path} is not a plain file of this run's; not writing through it")
+        path = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
+        descriptor = os.open(path, flags, 0o644)
+    with open(descriptor, "a") as file:
+        # A writer killed mid-line (the sender, say) leaves a line without its end: start afresh.
+        if file.tell() > 0 and os.pread(descriptor, 1, file.tell() - 1) != b"\n":
+            file.write("\n")
+        file.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
+def _plain(found: os.stat_result) -> bool:
+    """A regular file with no other name: what this run can write without touching another file."""
+    return stat.S_ISREG(found.st_mode) and found.st_nlink == 1
+
+
+def replay_command(spill_file: Path, tracking_uri: str = "<uri>") -> str:
+    return f"python -m {__package__}.tracking replay {spill_file} --tracking-uri {tracking_uri}"
 
 
 _started: "_Handover | None" = None  # the sender `start_sender` started, until a run takes it
@@ -95,8 +139,9 @@ class Tracker:
         return self._sender.opened()["run_id"] if self._sender is not None else None
 
     def state_dict(self) -> dict:
-        """A checkpoint part: the run to continue after a resume."""
-        return {"run_id": self.run_id}
+        """A checkpoint part: the run to continue after a resume; through a stretch trained
+        untracked (a store that failed, mlflow.enabled=false), the run it continued."""
+        return {"run_id": self.run_id or self._resumed_run_id}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state.get("run_id"), str | None):
@@ -112,6 +157,7 @@ class Tracker:
         if not (self._cfg.enabled and self._main):
             return
         self._sender = _take_sender()
+        self._sender.spill_dir = self._spill_dir
         asked = {
             "mlflow": OmegaConf.to_container(self._cfg, resolve=True),
             "spill_dir": str(self._spill_dir),
@@ -143,44 +189,70 @@ class Tracker:
 
         The sender process ends it, so that the run is not over in the UI while metrics still
         arrive; and, if the store refuses, it records the end in the spill file after the
-        metrics it could not send, alone at that file, so `replay` ends the run later.
+        metrics it could not send, alone at that file, so `replay` ends the run later. If the
+        sender died, this process has written them there itself, and now replays that file.
         """
         if self._sender is None:
             return
         opened = self._sender.opened()
         run_id = opened["run_id"]
         end = {"status": status, "end_time": int(time.time() * 1000), "resumes": opened["resumes"]} if run_id else None
-        if not self._sender.close(end) and end is not None:  # the sender died: no one else writes the spill file
-            from .mlflow_store import connect, end_run
+        if (spilled := self._sender.close(end)) is not None:
+            self._replay(*spilled)
 
-            end_run(connect(self._cfg.tracking_uri), run_id, end, spill_path(self._spill_dir, run_id))
+    def _replay(self, died: str, spill_file: Path, first_step: int | None) -> None:
+        """What a dead sender left to this process, sent now (importing MLflow, as only here)."""
+        from .mlflow_store import replay
+
+        kept = "the end of the run was" if first_step is None else f"the metrics from step {first_step} on were"
+        said = f"the MLflow sender process died ({died}); {kept} kept in {spill_file}"
+        try:
+            replay(spill_file, self._cfg.tracking_uri)
+        except Exception as error:
+            log.warning(
+                f"{said}, and could not be sent ({first_line(error)}); the run shows RUNNING in MLflow until "
+                f"they are: {replay_command(spill_file, self._cfg.tracking_uri)}"
+            )
+            return
+        spill_file.unlink()
+        log.warning(f"{said}; sent now, with the end of the run")
 
 
 class _Handover:
     """The training process's side of the sender: hands it requests and metrics, as JSON lines,
-    through a pipe, from a thread of its own, so a full pipe never blocks training; reads its one
-    answer, the opened run, when first asked."""
+    through a pipe, from a thread of its own, so a full pipe never blocks training; reads, from
+    another, its answer to `open` and then how many metrics it has confirmed so far.
+
+    Metrics stay here until confirmed. If the sender dies, those and everything handed over after
+    (metrics, and the end of the run) go to the run's spill file instead, for `replay`.
+    """
 
     def __init__(self) -> None:
         command = [sys.executable, "-m", __name__, "drain"]
         self._child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
         )
+        self.spill_dir: Path | None = None  # set by the run that opens (Tracker.open)
         self._answer: dict | None = None
+        self._answered = threading.Event()
         self._lock = threading.Lock()  # metrics come from the training thread and the checkpoint writer
         self._gathered: list[list] = []
         self._batches: queue.Queue = queue.Queue()
-        self._handed_over = True  # until the pipe breaks
+        self._unconfirmed: collections.deque[list] = collections.deque()  # metric rows handed over, in order
+        self._confirmed = 0  # rows confirmed, counted from the start
+        self._end: dict | None = None  # the end of the run, once handed over
+        self._died: str | None = None  # how the sender ended, once it has died
+        self._spilled: tuple[Path, int | None] | None = None  # the spill file, and the first step written to it
+        threading.Thread(target=self._read, name="mlflow-answers", daemon=True).start()
         self._writer = threading.Thread(target=self._write, name="mlflow-hand-over", daemon=True)
         self._writer.start()
 
     def opened(self) -> dict:
         """The sender's answer to `open`: the run's id (None: untracked) and its resumes so far."""
+        self._answered.wait()
         if self._answer is None:
-            line = self._child.stdout.readline()
-            self._answer = json.loads(line) if line else {"run_id": None, "resumes": 0}
-            if not line:
-                log.warning("the MLflow sender process stopped before opening the run; training goes on untracked")
+            log.warning("the MLflow sender process stopped before opening the run; training goes on untracked")
+            self._answer = {"run_id": None, "resumes": 0}
         return self._answer
 
     def send(self, request: dict) -> None:
@@ -204,9 +276,10 @@ class _Handover:
             self._batches.put(self._gathered)
             self._gathered = []
 
-    def close(self, end: dict | None) -> bool:
+    def close(self, end: dict | None) -> tuple[str, Path, int | None] | None:
         """Hands over the rest and the end of the run (None: no run was opened), then waits for
-        the sender to deliver them, up to `CLOSE_SECONDS`. False when the sender died first."""
+        the sender to deliver them, up to `CLOSE_SECONDS`. If it died instead: how, the spill file
+        that holds what it left, and the first step there."""
         if end is not None:
             self.send({"end": end})
         self.flush()
@@ -218,20 +291,83 @@ class _Handover:
             log.warning(
                 f"MLflow is slow: process {self._child.pid} goes on delivering the last metrics, then ends the run"
             )
-            return self._handed_over
+            return None
         if returncode != 0:
-            log.warning(f"the MLflow sender process exited with code {returncode}")
-        return self._handed_over and returncode == 0
+            self._sender_died(f"exit code {returncode}")
+        return None if self._spilled is None else (self._died, *self._spilled)
+
+    def _read(self) -> None:
+        """The answer to `open`, then the count of metrics confirmed, line by line, until the
+        sender's output ends: it is done, or dead (then the writer learns it at its next write)."""
+        for line in self._child.stdout:
+            if self._answer is None:
+                self._answer = json.loads(line)
+                self._answered.set()
+                continue
+            with self._lock:
+                for _ in range(int(line) - self._confirmed):
+                    self._unconfirmed.popleft()
+                self._confirmed = int(line)
+        self._answered.set()
+        self._batches.put(_SENDER_ENDED)
 
     def _write(self) -> None:
+        while (item := self._batches.get()) is not None:
+            if item is _SENDER_ENDED:
+                if self._child.wait() != 0:  # its output ends as it exits
+                    self._sender_died(f"exit code {self._child.returncode}")
+            elif self._died is not None:
+                self._spill([item])
+            else:
+                try:
+                    self._child.stdin.write(json.dumps(item) + "\n")
+                    self._child.stdin.flush()
+                except OSError as error:
+                    self._sender_died(error.strerror or str(error))
+                    self._spill([item])
+                    continue
+                if isinstance(item, list):
+                    with self._lock:
+                        self._unconfirmed.extend(item)
+                elif "end" in item:
+                    self._end = item
+        if self._died is None:
+            with contextlib.suppress(OSError):
+                self._child.stdin.close()  # end of input: the sender delivers the rest and exits
+
+    def _sender_died(self, how: str) -> None:
+        """From now on, the spill file; first, what the sender had not confirmed (and the end, which
+        it takes as its last work)."""
+        if self._died is not None:
+            return
+        self._died = how
+        with self._lock:
+            unconfirmed, self._unconfirmed = list(self._unconfirmed), collections.deque()
+        self._spill([unconfirmed] if self._end is None else [unconfirmed, self._end])
+
+    def _spill(self, items: list) -> None:
+        run_id = self.opened()["run_id"]
+        if run_id is None or self.spill_dir is None:
+            return  # untracked: nowhere they were going
+        rows = []
+        for item in items:
+            if isinstance(item, list):
+                rows += [{"run_id": run_id, "key": k, "value": v, "timestamp": t, "step": n} for k, v, t, n in item]
+            elif "end" in item:
+                rows.append({"run_id": run_id, **item["end"]})
+        if not rows:
+            return  # tags only: the next resume sets them again
         try:
-            while (item := self._batches.get()) is not None:
-                self._child.stdin.write(json.dumps(item) + "\n")
-                self._child.stdin.flush()
-            self._child.stdin.close()  # end of input: the sender delivers the rest and exits
-        except OSError as error:  # the sender died: nothing left to hand over to
-            self._handed_over = False
-            log.warning(f"the MLflow sender process stopped: {error}")
+            path = spill(spill_path(self.spill_dir, run_id), rows)
+        except OSError as error:
+            log.warning(f"could not write metrics for MLflow to {self.spill_dir} ({error.strerror}); they are lost")
+            return
+        steps = [row["step"] for row in rows if "step" in row]
+        if self._spilled is None or self._spilled[1] is None:
+            self._spilled = (path, min(steps, default=None))
+
+
+_SENDER_ENDED = object()  # put by the reader when the sender's output ends
 
 
 def main() -> None:
