@@ -273,6 +273,28 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
     assert checkpoints.newest_valid(home) is not None
 
 
+@pytest.mark.parametrize(
+    ("raised", "said"),
+    [
+        (
+            RuntimeError(
+                "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28034: Connection reset by peer. This is"
+            ),
+            "another process of this job is gone (Read error [127.0.0.1]:28034: Connection reset by peer)",
+        ),
+        (
+            RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation"),
+            "another process of this job did not answer within strategy.timeout_s=1800 s",
+        ),
+        (RuntimeError("[enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes"), None),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
+    ],
+)
+def test_only_a_collective_step_whose_peer_went_away_is_said_as_such(raised, said):
+    """Anything else, a gloo failure of this process's own included, keeps its traceback."""
+    assert distributed.peer_lost(raised, 1800) == said
+
+
 def exited(pid: int) -> bool:
     """Whether `pid` has ended (a zombie its stopped parent has not reaped counts)."""
     try:

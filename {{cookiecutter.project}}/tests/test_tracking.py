@@ -404,6 +404,53 @@ def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_a_sender_whose_trainer_is_gone_still_delivers_everything_and_ends_the_run(make_cfg, client, tmp_path):
+    """Killed, or done waiting for it (CLOSE_SECONDS), the trainer reads no more confirmations:
+    the sender goes on without them."""
+    sender = subprocess.Popen(
+        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "drain"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    asked = {
+        "mlflow": OmegaConf.to_container(make_cfg().mlflow, resolve=True),
+        "spill_dir": str(tmp_path), "params": {}, "tags": {}, "config_yaml": "", "checkpoint": None, "run_id": None,
+    }  # fmt: skip
+    sender.stdin.write(json.dumps({"open": asked}) + "\n")
+    sender.stdin.flush()
+    run_id = json.loads(sender.stdout.readline())["run_id"]
+    sender.stdout.close()  # the trainer is gone
+    rows = [["train/loss", float(step), 0, step] for step in range(1, 2501)]
+    end = {"status": "KILLED", "end_time": 0, "resumes": 0}
+    sender.stdin.write(json.dumps(rows) + "\n" + json.dumps({"end": end}) + "\n")
+    sender.stdin.close()
+    assert sender.wait(timeout=120) == 0
+    assert sorted(losses(client, run_id)) == list(range(1, 2501))
+    assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_an_untracked_run_keeps_no_metric_waiting_for_a_confirmation(make_cfg, tmp_path):
+    (tmp_path / "mlruns").write_text("")  # a file where the artifacts' folder goes: the run cannot open
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(make_cfg(f"mlflow.tracking_uri={store}").mlflow, tmp_path)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
+    for step in range(1, 301):
+        tracker.log_metrics({"train/loss": 1.0}, step)
+    tracker.flush()
+    assert tracker.run_id is None  # the sender has answered: untracked
+    tracker.finish("FINISHED")  # everything handed over has been through the hand-over thread
+    assert len(tracker._sender._unconfirmed) == 0
+
+
+def test_a_run_of_a_deleted_experiment_continues_in_the_experiment_now_named(make_cfg, client, capfd):
+    first = recipe.train(make_cfg("mlflow.experiment_name=deleted-for-good", "trainer.max_steps=10"))
+    old = client.get_run(first["run_id"]).info.experiment_id
+    client.delete_experiment(old)
+    moved = recipe.train(make_cfg("mlflow.experiment_name=moved-on", "trainer.max_steps=20", "resume=last"))
+    assert moved["run_id"] not in (None, first["run_id"])
+    assert client.get_experiment_by_name("moved-on").experiment_id == client.get_run(moved["run_id"]).info.experiment_id
+    assert f"mlflow experiments restore --experiment-id {old}` brings the old one back" in capfd.readouterr().err
+
+
 def test_a_spill_file_that_is_a_link_is_not_written_through(tmp_path):
     outside, path = tmp_path / "outside.txt", tmp_path / "unsent-metrics-abc.jsonl"
     outside.write_text("mine")

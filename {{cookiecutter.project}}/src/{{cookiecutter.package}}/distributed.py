@@ -166,17 +166,25 @@ def join(cfg: "Config") -> Iterator[World]:
         dist.destroy_process_group()
 
 
-# How gloo, NCCL and the c10d store say that a collective step failed: they raise a plain
-# RuntimeError whose text starts with the C++ source that raised it.
-BROKEN_GROUP = re.compile(r"gloo|nccl|xccl|c10d|ProcessGroup|Connection (reset|closed) by peer", re.IGNORECASE)
+# How gloo, NCCL and the c10d store say that the other end of a collective step went away or went
+# quiet: a DistError or a plain RuntimeError, whose text starts with the C++ source that raised it.
+# A failure of this process's own (a CUDA error, tensors of another size on each rank) says none of
+# these and keeps its traceback.
+PEER_GONE = re.compile(
+    r"Connection (reset|closed|refused)|by peer|Broken pipe|remote process exited|Socket closed|timed? ?out",
+    re.IGNORECASE,
+)
 
 
 def peer_lost(error: Exception, timeout_s: int) -> str | None:
     """What a failed collective step says about the other processes, in a few words; None when
-    `error` is not one (a bug of this process keeps its traceback)."""
+    `error` is not one."""
     text = str(error).strip()
-    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and BROKEN_GROUP.search(text)):
+    if not isinstance(error, dist.DistNetworkError | dist.DistStoreError) and not (
+        isinstance(error, RuntimeError) and PEER_GONE.search(text)
+    ):
         return None
+    log.debug("the collective step that failed", exc_info=error)
     if re.search(r"timed? ?out", text, re.IGNORECASE):
         return f"another process of this job did not answer within strategy.timeout_s={timeout_s} s"
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(error).__name__)  # the C++ source

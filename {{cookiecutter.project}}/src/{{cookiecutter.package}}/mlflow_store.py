@@ -121,11 +121,17 @@ class RunOpener:
                 log.info(f"MLflow run {run_id} is not in {self.cfg.tracking_uri}; continuing in a new run")
             else:
                 experiment = self.client.get_experiment(run.info.experiment_id)
-                if experiment.lifecycle_stage == "deleted":  # with its runs: a new one cannot go there either
+                gone = experiment.lifecycle_stage == "deleted"  # with its runs
+                if gone and experiment.name == self.cfg.experiment_name:  # where the new run would go
                     raise RunError(_deleted(experiment, self.cfg.tracking_uri, f", and run {run_id} with it"))
+                restore = (
+                    f"experiments restore --experiment-id {experiment.experiment_id}"
+                    if gone
+                    else f"runs restore --run-id {run_id}"
+                )
                 log.info(
                     f"MLflow run {run_id} is deleted; continuing in a new run (`MLFLOW_TRACKING_URI="
-                    f"{self.cfg.tracking_uri} mlflow runs restore --run-id {run_id}` brings the old one back)"
+                    f"{self.cfg.tracking_uri} mlflow {restore}` brings the old one back)"
                 )
             self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
             return
@@ -252,7 +258,13 @@ def end_run(client: MlflowClient, run_id: str, end: dict, spill_file: Path) -> N
     try:
         client.set_terminated(run_id, status=end["status"], end_time=end["end_time"])
     except Exception as error:
-        written = spill(spill_file, [{"run_id": run_id, **end}])
+        try:
+            written = spill(spill_file, [{"run_id": run_id, **end}])
+        except OSError as failure:
+            log.warning(
+                f"could not mark MLflow run {run_id} {end['status']}, nor record that in {spill_file} ({failure.strerror})"
+            )
+            return
         log.warning(
             f"could not mark MLflow run {run_id} {end['status']} ({first_line(error)}); that is recorded in "
             f"{written}, and `{replay_command(written)}` ends the run when the store is back"
@@ -348,7 +360,11 @@ class _Sender:
             {"run_id": self._run_id, "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
             for m in self._pending
         ]
-        written = spill(self._spill_file, rows)
+        try:
+            written = spill(self._spill_file, rows)
+        except OSError as error:
+            log.warning(f"{len(rows)} metrics could not reach MLflow, nor {self._spill_file} ({error.strerror})")
+            return
         self._confirm(self._received)
         log.warning(
             f"{len(self._pending)} metrics could not reach MLflow; they are in {written}. Send them "
@@ -377,11 +393,19 @@ def drain() -> None:
     cfg = MlflowConfig(**asked["mlflow"])
     opened = open_run(cfg, asked)
 
-    def say(value: object) -> None:  # the trainer reads each line as it comes
-        answer.write(json.dumps(value) + "\n")
-        answer.flush()
+    def say(value: object) -> None:
+        """A line to the trainer, which reads each as it comes; once it is gone (killed, or done
+        waiting for this process), nothing: the metrics are delivered all the same."""
+        nonlocal answering
+        if answering:
+            try:
+                answer.write(json.dumps(value) + "\n")
+                answer.flush()
+            except OSError:
+                answering = False
 
-    with answer:  # open until the end: the trainer takes its closing for this process's exit
+    answering = True
+    try:
         say({"run_id": opened and opened.run_id, "resumes": opened.resumes if opened else 0})
         if opened is None:  # untracked: what the trainer hands over has nowhere to go
             while incoming.get() is not None:
@@ -397,6 +421,9 @@ def drain() -> None:
             monitor.start()
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
         _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor).run()
+    finally:
+        with contextlib.suppress(OSError):  # the trainer takes the end of this output for the sender's exit
+            answer.close()
 
 
 def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:

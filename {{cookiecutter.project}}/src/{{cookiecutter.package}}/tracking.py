@@ -69,20 +69,12 @@ def spill(path: Path, rows: Iterable[dict]) -> Path:
     or, where something other than a plain file of its own stands there (a link, which the write
     would follow out of the folder), a file beside it named after this process."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        descriptor = os.open(path, flags, 0o644)
-    except OSError as error:
-        if error.errno != errno.ELOOP:
-            raise
-        descriptor = None
-    if descriptor is not None and not _plain(os.fstat(descriptor)):
-        os.close(descriptor)
-        descriptor = None
+    descriptor = _open_plain(path)
     if descriptor is None:
         log.warning(f"{path} is not a plain file of this run's; not writing through it")
         path = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
-        descriptor = os.open(path, flags, 0o644)
+        if (descriptor := _open_plain(path)) is None:
+            raise OSError(errno.EEXIST, "a link or another file stands at its name and at the one beside it", str(path))
     with open(descriptor, "a") as file:
         # A writer killed mid-line (the sender, say) leaves a line without its end: start afresh.
         if file.tell() > 0 and os.pread(descriptor, 1, file.tell() - 1) != b"\n":
@@ -91,9 +83,21 @@ def spill(path: Path, rows: Iterable[dict]) -> Path:
     return path
 
 
-def _plain(found: os.stat_result) -> bool:
-    """A regular file with no other name: what this run can write without touching another file."""
-    return stat.S_ISREG(found.st_mode) and found.st_nlink == 1
+def _open_plain(path: Path) -> int | None:
+    """A descriptor to append to `path`, created if need be; None where a link or anything but a
+    plain file of one name stands there: writing to it would change another file."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None
+        raise
+    found = os.fstat(descriptor)
+    if stat.S_ISREG(found.st_mode) and found.st_nlink == 1:
+        return descriptor
+    os.close(descriptor)
+    return None
 
 
 def replay_command(spill_file: Path, tracking_uri: str = "<uri>") -> str:
@@ -238,12 +242,17 @@ class _Handover:
         self._lock = threading.Lock()  # metrics come from the training thread and the checkpoint writer
         self._gathered: list[list] = []
         self._batches: queue.Queue = queue.Queue()
-        self._unconfirmed: collections.deque[list] = collections.deque()  # metric rows handed over, in order
-        self._confirmed = 0  # rows confirmed, counted from the start
+        # Metric rows handed over and not yet confirmed, in order, and how many rows were taken off
+        # its front so far (confirmed, or spilled after a death), counted from the start.
+        self._unconfirmed: collections.deque[list] = collections.deque()
+        self._taken_off = 0
+        self._held = threading.Lock()  # _unconfirmed, shared by the writer and the reader
+        self._keeping = True  # until the sender answers that the run is untracked: nothing to keep then
         self._end: dict | None = None  # the end of the run, once handed over
         self._died: str | None = None  # how the sender ended, once it has died
         self._spilled: tuple[Path, int | None] | None = None  # the spill file, and the first step written to it
-        threading.Thread(target=self._read, name="mlflow-answers", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="mlflow-answers", daemon=True)
+        self._reader.start()
         self._writer = threading.Thread(target=self._write, name="mlflow-hand-over", daemon=True)
         self._writer.start()
 
@@ -293,6 +302,7 @@ class _Handover:
             )
             return None
         if returncode != 0:
+            self._reader.join(timeout=CLOSE_SECONDS)  # its confirmations so far: not spilled twice
             self._sender_died(f"exit code {returncode}")
         return None if self._spilled is None else (self._died, *self._spilled)
 
@@ -303,11 +313,13 @@ class _Handover:
             if self._answer is None:
                 self._answer = json.loads(line)
                 self._answered.set()
+                if self._answer["run_id"] is None:
+                    with self._held:
+                        self._keeping = False
+                        self._unconfirmed.clear()
                 continue
-            with self._lock:
-                for _ in range(int(line) - self._confirmed):
-                    self._unconfirmed.popleft()
-                self._confirmed = int(line)
+            with self._held:
+                self._take_off(int(line) - self._taken_off)
         self._answered.set()
         self._batches.put(_SENDER_ENDED)
 
@@ -319,18 +331,20 @@ class _Handover:
             elif self._died is not None:
                 self._spill([item])
             else:
+                # Kept before the sender can have it: its confirmation may come back before the write returns.
+                if isinstance(item, list):
+                    with self._held:
+                        if self._keeping:
+                            self._unconfirmed.extend(item)
+                elif "end" in item:
+                    self._end = item
                 try:
                     self._child.stdin.write(json.dumps(item) + "\n")
                     self._child.stdin.flush()
-                except OSError as error:
-                    self._sender_died(error.strerror or str(error))
-                    self._spill([item])
-                    continue
-                if isinstance(item, list):
-                    with self._lock:
-                        self._unconfirmed.extend(item)
-                elif "end" in item:
-                    self._end = item
+                except OSError:  # it is gone: what it confirmed before, it has delivered
+                    self._child.wait()
+                    self._reader.join(timeout=CLOSE_SECONDS)
+                    self._sender_died(f"exit code {self._child.returncode}")
         if self._died is None:
             with contextlib.suppress(OSError):
                 self._child.stdin.close()  # end of input: the sender delivers the rest and exits
@@ -341,9 +355,21 @@ class _Handover:
         if self._died is not None:
             return
         self._died = how
-        with self._lock:
-            unconfirmed, self._unconfirmed = list(self._unconfirmed), collections.deque()
+        with self._held:
+            unconfirmed = list(self._unconfirmed)
+            self._take_off(len(unconfirmed))
         self._spill([unconfirmed] if self._end is None else [unconfirmed, self._end])
+        if self._spilled is not None:
+            log.warning(
+                f"the MLflow sender process died ({how}); this run's metrics go to {self._spilled[0]} from now on, "
+                f"and are sent from there at the end of the run"
+            )
+
+    def _take_off(self, count: int) -> None:
+        """Drops `count` rows off the front of `_unconfirmed` (fewer if it holds fewer); under `_held`."""
+        for _ in range(min(count, len(self._unconfirmed))):
+            self._unconfirmed.popleft()
+        self._taken_off += max(count, 0)
 
     def _spill(self, items: list) -> None:
         run_id = self.opened()["run_id"]
