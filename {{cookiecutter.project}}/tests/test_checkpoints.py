@@ -189,7 +189,7 @@ def test_a_malicious_pickle_is_refused_and_its_code_never_runs(tmp_path):
 def test_a_checkpoint_of_another_format_is_refused(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"model": {}}, path)
-    with pytest.raises(CheckpointError, match="has format None; this project reads formats 2 to 3"):
+    with pytest.raises(CheckpointError, match="has format None; this project reads format 3"):
         checkpoints.load(path)
 
 
@@ -197,9 +197,7 @@ def test_a_checkpoint_from_before_components_by_target_is_refused_naming_its_for
     """Format 1 laid the parts out otherwise (data_position, optimizer_name, mlflow_run_id)."""
     old = {key: value for key, value in state(10).items() if key not in ("position", "tracker")}
     torch.save({**old, "format_version": 1, "data_position": {"epoch": 0, "batch": 10}}, tmp_path / "step_00000010.pt")
-    with pytest.raises(
-        CheckpointError, match=r"has format 1; this project reads formats 2 to 3: resume it with the version"
-    ):
+    with pytest.raises(CheckpointError, match=r"has format 1; this project reads format 3: resume it with the version"):
         checkpoints.load(tmp_path / "step_00000010.pt")
     with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="holds checkpoints, but none loads"):
         checkpoints.find("last", tmp_path)
@@ -255,7 +253,7 @@ def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (lambda s: {"format_version": 2, "step": 5}, "config is missing; device is missing"),
+        (lambda s: {"format_version": 3, "step": 5}, "config is missing; device is missing"),
         (lambda s: {key: value for key, value in s.items() if key != "rng"}, "rng is missing"),
         (lambda s: {**s, "tracker": "abc"}, "tracker is a str"),
         (lambda s: {**s, "step": "5"}, "step is a str"),

@@ -259,25 +259,3 @@ def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_trai
         RunError, match=r"data \(.*digits\): val_fraction=0.0001 leaves 0 of 1797 samples for validation"
     ):
         recipe.train(make_cfg(QUIET, "data.val_fraction=0.0001"))
-
-
-@pytest.mark.slow
-def test_a_checkpoint_of_format_2_resumes_exactly_where_it_stopped(make_cfg, client, checkpoint_dir, tmp_path):
-    """Format 2 (one process) counted its position in batches and kept one random state."""
-    schedule = "scheduler.total_steps=40"  # the same lr at every step in both runs
-    reference = recipe.train(make_cfg(schedule, "trainer.max_steps=40", f"checkpoint.dir={tmp_path / 'reference'}"))
-    recipe.train(make_cfg(schedule, "trainer.max_steps=30"))  # saves at 10, 20 and 30: resume=last takes 30
-    path = checkpoints.path_of(checkpoint_dir, 30)
-    saved = checkpoints.load(path)
-    torch.save(
-        {
-            **saved,
-            "format_version": 2,
-            "position": {"epoch": saved["position"]["epoch"], "batch": saved["position"]["sample"] // 64},
-            "rng": saved["rng"]["ranks"][0],
-        },
-        path,
-    )
-    resumed = recipe.train(make_cfg(schedule, "trainer.max_steps=40", "resume=last"))
-    assert resumed["continuity"] == "ok"
-    assert losses(client, resumed["run_id"]) == losses(client, reference["run_id"])

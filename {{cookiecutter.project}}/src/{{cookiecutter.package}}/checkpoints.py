@@ -48,8 +48,7 @@ except ImportError:  # Windows: no POSIX locks
 
 log = logging.getLogger(__name__)
 
-# 1: before components by _target_ (not read: its parts were laid out otherwise); 2: one process
-# (read, and upgraded on load: `upgrade_from_2`); 3: the data position in samples, RNG per process.
+# The layout below; a checkpoint of any other is refused in one line that names its format.
 FORMAT_VERSION = 3
 POINTER = "latest"
 LOCK = "run.lock"
@@ -261,10 +260,6 @@ def load(path: Path, verify: bool = True) -> dict:
     if path.is_dir():
         return _load_folder(path, verify)
     state = _read(path, verify)
-    if isinstance(state, dict) and state.get("format_version") == 2:
-        if problems := _structure_problems(state, FORMAT_2):
-            raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
-        state = upgrade_from_2(state)
     _check_format(path, state)
     if problems := _structure_problems(state):
         raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
@@ -293,7 +288,7 @@ def _check_format(path: Path, state: object) -> None:
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
-            f"{path} has format {found!r}; this project reads formats 2 to {FORMAT_VERSION}: resume it with the "
+            f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}: resume it with the "
             f"version of the project that wrote it, or start a new run with name=<new name>"
         )
 
@@ -399,20 +394,7 @@ PARTS = {
     "rng": ("ranks",),
 }
 IN_SHARDS = ("model", "optimizer")  # the parts every process writes, sharded, under strategy=fsdp (sharded.py)
-FORMAT_2 = {**PARTS, "position": ("epoch", "batch"), "rng": ("python", "numpy", "torch")}
 META = {"format_version": int, "step": int, "config": dict, "device": dict, "amp": dict, "versions": dict}
-
-
-def upgrade_from_2(state: dict) -> dict:
-    """A checkpoint of format 2 (one process) as format 3 would hold it: its position counted in
-    samples, its random state as that of process 0, with the generator of the device it used."""
-    batch_size = state["config"]["data"]["batch_size"]  # every run of format 2 had one
-    rng = dict(state["rng"])
-    if "accelerator" in rng:
-        states, index = rng["accelerator"]["states"], state["config"].get("device", {}).get("index", 0)
-        rng["accelerator"] = {"type": rng["accelerator"]["type"], "state": states[min(index, len(states) - 1)]}
-    position = {"epoch": state["position"]["epoch"], "sample": state["position"]["batch"] * batch_size}
-    return {**state, "format_version": 3, "position": position, "rng": {"ranks": [rng]}}
 
 
 def _structure_problems(state: dict, parts: dict = PARTS, meta: dict = META) -> list[str]:
