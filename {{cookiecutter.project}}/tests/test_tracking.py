@@ -31,7 +31,8 @@ from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.mlflow_store import _Sender, connect, experiment_id, replay
 from {{cookiecutter.package}}.provenance import record
-from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri, spill
+from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri
+from {{cookiecutter.package}}.unsent import spill
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):

@@ -30,7 +30,7 @@ from sqlalchemy.engine import make_url
 
 from .config import MlflowConfig
 from .errors import RunError, first_line
-from .tracking import replay_command, spill, spill_path
+from .unsent import replay_command, spill, spill_path
 
 try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry

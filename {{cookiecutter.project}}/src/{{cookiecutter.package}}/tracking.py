@@ -19,19 +19,15 @@ not confirmed, and everything after it, the end of the run included, to the same
 import argparse
 import collections
 import contextlib
-import errno
 import gc
 import importlib.util
 import json
 import logging
-import os
 import queue
-import stat
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -39,6 +35,7 @@ from omegaconf import OmegaConf
 
 from .config import MlflowConfig, launched_as_main
 from .errors import RunError, first_line
+from .unsent import replay_command, spill, spill_path
 
 log = logging.getLogger(__name__)
 
@@ -57,51 +54,6 @@ def check_tracking_uri(cfg: MlflowConfig) -> None:
     from .mlflow_store import check_uri
 
     check_uri(cfg)
-
-
-def spill_path(folder: Path, run_id: str) -> Path:
-    """The file of the metrics (and the end) that a run could not deliver, for `replay`."""
-    return folder / f"unsent-metrics-{run_id}.jsonl"
-
-
-def spill(path: Path, rows: Iterable[dict]) -> Path:
-    """Appends `rows` to the spill file `path` as JSON lines, and returns the file written: `path`,
-    or, where something other than a plain file of its own stands there (a link, which the write
-    would follow out of the folder), a file beside it named after this process."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = _open_plain(path)
-    if descriptor is None:
-        log.warning(f"{path} is not a plain file of this run's; not writing through it")
-        path = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
-        if (descriptor := _open_plain(path)) is None:
-            raise OSError(errno.EEXIST, "a link or another file stands at its name and at the one beside it", str(path))
-    with open(descriptor, "a") as file:
-        # A writer killed mid-line (the sender, say) leaves a line without its end: start afresh.
-        if file.tell() > 0 and os.pread(descriptor, 1, file.tell() - 1) != b"\n":
-            file.write("\n")
-        file.writelines(json.dumps(row) + "\n" for row in rows)
-    return path
-
-
-def _open_plain(path: Path) -> int | None:
-    """A descriptor to append to `path`, created if need be; None where a link or anything but a
-    plain file of one name stands there: writing to it would change another file."""
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        descriptor = os.open(path, flags, 0o644)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return None
-        raise
-    found = os.fstat(descriptor)
-    if stat.S_ISREG(found.st_mode) and found.st_nlink == 1:
-        return descriptor
-    os.close(descriptor)
-    return None
-
-
-def replay_command(spill_file: Path, tracking_uri: str = "<uri>") -> str:
-    return f"python -m {__package__}.tracking replay {spill_file} --tracking-uri {tracking_uri}"
 
 
 _started: "_Handover | None" = None  # the sender `start_sender` started, until a run takes it
