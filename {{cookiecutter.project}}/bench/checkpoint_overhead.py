@@ -1,9 +1,9 @@
 """What do atomic, verified checkpoints cost over a bare torch.save / torch.load?
 
 For the demo model and for a model of about 100M parameters (each with its AdamW state), prints
-the time of `checkpoints.save` against a bare `torch.save` of the same state dicts; the stall of
+the time of `onefile.save` against a bare `torch.save` of the same state dicts; the stall of
 a background save (checkpoint.async_save: the time training waits, for the copy of the state
-into reused CPU buffers, while the write goes on in its thread); and `checkpoints.load` +
+into reused CPU buffers, while the write goes on in its thread); and `resume.load` +
 `load_state_dict` against a bare `torch.load` + `load_state_dict`, as ratios, the restore with
 and without its verification (checkpoint.verify). Targets: save at most 1.15x, stall at most
 0.25x a bare save, restore with verification at most 1.3x. Ours also fsyncs (a crash must not lose the
@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from {{cookiecutter.package}} import checkpoints
-from {{cookiecutter.package}}.async_save import Snapshot, Writer
+from {{cookiecutter.package}}.checkpoint import onefile, resume
+from {{cookiecutter.package}}.checkpoint.background import Snapshot, Writer
+from {{cookiecutter.package}}.checkpoint.home import path_of
+from {{cookiecutter.package}}.checkpoint.schema import FORMAT_VERSION
 
 
 def models() -> dict[str, nn.Module]:
@@ -58,7 +60,7 @@ def measure(name: str, model: nn.Module, folder: Path, repeats: int) -> str:
     # The small parts of a real checkpoint, which `load` checks are there; beside the weights
     # their size is nothing.
     small = {
-        "format_version": checkpoints.FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,
         "step": 1,
         "position": {"epoch": 0, "sample": 64},
         "scheduler": {"last_epoch": 1},
@@ -88,18 +90,18 @@ def measure(name: str, model: nn.Module, folder: Path, repeats: int) -> str:
         {
             "bare": lambda: torch.save(state, bare),
             "fsynced": fsynced_bare_save,
-            "ours": lambda: checkpoints.save(ours, home, 1, keep_last=1),
+            "ours": lambda: onefile.save(ours, home, keep_last=1),
         },
         repeats,
     )
     save_bare, save_fsynced, save_ours = save["bare"], save["fsynced"], save["ours"]
     stall = background_stall(ours, folder / "background", repeats)
-    ours_path = checkpoints.path_of(home, 1)
+    ours_path = path_of(home, 1)
     load = fastest(
         {
             "bare": lambda: restore(torch.load(bare, map_location="cpu", weights_only=True)),
-            "ours": lambda: restore(checkpoints.load(ours_path)),
-            "trusted": lambda: restore(checkpoints.load(ours_path, verify=False)),
+            "ours": lambda: restore(resume.load(ours_path).state),
+            "trusted": lambda: restore(resume.load(ours_path, verify=False).state),
         },
         repeats,
     )
@@ -114,16 +116,16 @@ def measure(name: str, model: nn.Module, folder: Path, repeats: int) -> str:
 
 
 def background_stall(state: dict, home: Path, repeats: int) -> float:
-    """The best time training waits for a background save, as train.Saver starts one: the copy
+    """The best time training waits for a background save, as the Checkpointer starts one: the copy
     into buffers kept from the save before (so not the first), then the write handed over. Each
     write completes, untimed, before the next."""
     snapshot, writer, stalls = Snapshot(), Writer(), []
     try:
-        for step in range(repeats + 1):
+        for _ in range(repeats + 1):
             os.sync()
             started = time.perf_counter()
             copy = snapshot.take(state)
-            writer.start(functools.partial(checkpoints.save, copy, home, step, keep_last=1))
+            writer.start(functools.partial(onefile.save, copy, home, keep_last=1))
             stalls.append(time.perf_counter() - started)
             writer.wait()
     finally:

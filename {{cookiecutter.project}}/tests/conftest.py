@@ -117,7 +117,7 @@ def wait_for_a_save(home, process: subprocess.Popen, timeout: float = 120) -> No
 
 HOLDER = """
 import os, pathlib, sys, time
-from {{cookiecutter.package}}.checkpoints import claim
+from {{cookiecutter.package}}.checkpoint.home import claim
 with claim(pathlib.Path(sys.argv[1])):
     if sys.argv[2] == "fork" and os.fork() == 0:  # a child, as a data-loader worker would be
         time.sleep(10)

@@ -2,16 +2,20 @@
 while a file is written, the file holds the state of its own step, and no run ends with a file
 of its half written. The resume tests (test_resume.py, test_cli.py) run with it on."""
 
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{cookiecutter.package}} import checkpoints, state
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.async_save import Snapshot, Writer
-from {{cookiecutter.package}}.checkpoints import SaveError
+from {{cookiecutter.package}}.checkpoint import sharded
+from {{cookiecutter.package}}.checkpoint.background import Snapshot, Writer
+from {{cookiecutter.package}}.checkpoint.home import path_of
+from {{cookiecutter.package}}.checkpoint.manager import Checkpointer
+from {{cookiecutter.package}}.checkpoint.resume import load
+from {{cookiecutter.package}}.errors import SaveError
 
 QUIET = "mlflow.enabled=false"
 EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5"]
@@ -51,27 +55,42 @@ def test_a_writer_runs_one_write_at_a_time_and_hands_back_its_file_or_its_error(
         writer.close()
 
 
-def write_once_training_is_ahead(monkeypatch, steps_ahead: int) -> list[tuple[int, int]]:
-    """Makes each background write wait until training has gone `steps_ahead` steps past the
-    step it saves (or reached its end); returns, for each write, its step and the step training
-    had reached when it began."""
-    real_write, began = state.write, []
+def training_ahead_of_writes(monkeypatch, steps_ahead: int, max_steps: int):
+    """A wait for a background write to call before it writes: until training has gone
+    `steps_ahead` steps past the step it saves (or reached `max_steps`); and the list of each
+    write's step and the step training had reached when it began. Writes in step with training
+    would wait for a step that never comes: the wait then gives up, and the assertions on that
+    list fail."""
+    real_step = recipe.train_step
+    stepped, reached, began = threading.Condition(), [0], []
 
-    def write(run, saved: dict) -> Path:
-        deadline = time.monotonic() + 10  # in step (no background write), training waits: fail then
-        while run.step < min(saved["step"] + steps_ahead, run.trainer.max_steps) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        began.append((saved["step"], run.step))
-        return real_write(run, saved)
+    def train_step(run, micro_batches):
+        loss = real_step(run, micro_batches)
+        with stepped:
+            reached[0] = run.step + 1  # the step this one completes
+            stepped.notify_all()
+        return loss
 
-    monkeypatch.setattr(state, "write", write)
-    return began
+    def wait(step: int) -> None:
+        with stepped:
+            stepped.wait_for(lambda: reached[0] >= min(step + steps_ahead, max_steps), timeout=60)
+            began.append((step, reached[0]))
+
+    monkeypatch.setattr(recipe, "train_step", train_step)
+    return wait, began
 
 
 def test_training_goes_on_while_a_checkpoint_is_written_and_the_file_holds_its_own_step(
     make_cfg, checkpoint_dir, tmp_path, monkeypatch
 ):
-    began = write_once_training_is_ahead(monkeypatch, steps_ahead=3)
+    wait, began = training_ahead_of_writes(monkeypatch, steps_ahead=3, max_steps=15)
+    real_write = Checkpointer._write
+
+    def write(checkpointer, saved: dict) -> Path:
+        wait(saved["step"])
+        return real_write(checkpointer, saved)
+
+    monkeypatch.setattr(Checkpointer, "_write", write)
     recipe.train(make_cfg(QUIET, *EVERY_5))
     assert [step for step, _ in began] == [5, 10, 15]
     assert all(reached >= step + 3 for step, reached in began[:2]), f"training went on during the writes: {began}"
@@ -79,9 +98,40 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_the_file_holds_its_o
     in_step = tmp_path / "in-step"
     recipe.train(make_cfg(QUIET, *EVERY_5, "checkpoint.async_save=false", f"checkpoint.dir={in_step}"))
     for step in (5, 10, 15):
-        written, reference = (checkpoints.load(checkpoints.path_of(home, step)) for home in (checkpoint_dir, in_step))
+        written, reference = (load(path_of(home, step)).state for home in (checkpoint_dir, in_step))
         for part in ("model", "optimizer", "rng", "position", "probe", "step"):
             assert_same(written[part], reference[part])
+
+
+def test_training_goes_on_while_every_process_writes_its_shards_and_they_hold_their_own_step(
+    make_cfg, checkpoint_dir, tmp_path, monkeypatch
+):
+    """strategy=fsdp in this process (a group of one): its writer thread writes the shards over a
+    process group of its own while training goes on."""
+    wait, began = training_ahead_of_writes(monkeypatch, steps_ahead=3, max_steps=15)
+    real_write = sharded._write
+
+    def write(shards: dict, folder: Path, step: int, group=None) -> dict:
+        wait(step)
+        return real_write(shards, folder, step, group)
+
+    monkeypatch.setattr(sharded, "_write", write)
+    recipe.train(make_cfg(QUIET, "strategy=fsdp", *EVERY_5))
+    assert [step for step, _ in began] == [5, 10, 15]
+    assert all(reached >= step + 3 for step, reached in began[:2]), f"training went on during the writes: {began}"
+    monkeypatch.undo()
+    in_step = tmp_path / "in-step"
+    recipe.train(make_cfg(QUIET, "strategy=fsdp", *EVERY_5, "checkpoint.async_save=false", f"checkpoint.dir={in_step}"))
+    for step in (5, 10, 15):
+        folders = [path_of(home, step, folder=True) for home in (checkpoint_dir, in_step)]
+        written, reference = (load(folder).state for folder in folders)
+        for part in ("rng", "position", "probe", "step"):
+            assert_same(written[part], reference[part])
+        for number, folder in enumerate(folders):
+            dcp_to_torch_save(folder, tmp_path / f"whole-{number}.pt")
+        written, reference = (torch.load(tmp_path / f"whole-{n}.pt", weights_only=False) for n in (0, 1))
+        assert_same(written["model"], reference["model"])
+        assert_same(written["optimizer"], reference["optimizer"])
 
 
 def assert_same(found, expected) -> None:
@@ -103,25 +153,27 @@ def assert_same(found, expected) -> None:
 def test_a_run_that_fails_while_a_checkpoint_is_written_ends_once_the_write_has_and_with_its_own_error(
     make_cfg, checkpoint_dir, monkeypatch, caplog, storage_fails
 ):
-    real_write, real_step = state.write, recipe.train_step
+    real_write, real_step = Checkpointer._write, recipe.train_step
+    step_failed = threading.Event()
 
-    def slow_write(run, saved: dict) -> Path:
-        time.sleep(1)  # the next step fails meanwhile
+    def slow_write(checkpointer, saved: dict) -> Path:
+        step_failed.wait(timeout=60)  # the write is still in flight when the next step fails
         if storage_fails:
             raise OSError("the storage went away")
-        return real_write(run, saved)
+        return real_write(checkpointer, saved)
 
     def failing_step(run, micro_batches):
         if run.step == 6:
+            step_failed.set()
             raise RuntimeError("a bug in a training step")
         return real_step(run, micro_batches)
 
-    monkeypatch.setattr(state, "write", slow_write)
+    monkeypatch.setattr(Checkpointer, "_write", slow_write)
     monkeypatch.setattr(recipe, "train_step", failing_step)
     with pytest.raises(RuntimeError, match="a bug in a training step"):
         recipe.train(make_cfg(QUIET, *EVERY_5))
     if storage_fails:
         assert "the checkpoint write in flight failed: the storage went away" in caplog.text
     else:
-        assert checkpoints.load(checkpoint_dir / "step_00000005.pt")["step"] == 5
+        assert load(checkpoint_dir / "step_00000005.pt").state["step"] == 5
         assert (checkpoint_dir / "latest").read_text() == "step_00000005.pt"

@@ -17,15 +17,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import hold
 
-from {{cookiecutter.package}} import checkpoints, sharded
-from {{cookiecutter.package}}.checkpoints import CheckpointError, SaveError
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.checkpoint import home as checkpoint_home
+from {{cookiecutter.package}}.checkpoint import onefile, sharded
+from {{cookiecutter.package}}.checkpoint.files import write_text
+from {{cookiecutter.package}}.checkpoint.home import claim, set_aside_newer
+from {{cookiecutter.package}}.checkpoint.onefile import save
+from {{cookiecutter.package}}.checkpoint.resume import find, load
+from {{cookiecutter.package}}.checkpoint.schema import FORMAT_VERSION, SHARDED_PARTS, STATE
+from {{cookiecutter.package}}.errors import CheckpointError, RunError, SaveError
 
 
 def state(step: int) -> dict:
     """A complete checkpoint, as state.save writes one, with weights that tell steps apart."""
     return {
-        "format_version": checkpoints.FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,
         "step": step,
         "model": {"weights": torch.full((64, 64), float(step))},
         "optimizer": {"state": {}, "param_groups": []},
@@ -44,7 +49,7 @@ def state(step: int) -> dict:
 
 def save_steps(home: Path, *steps: int, keep_last: int = 10) -> None:
     for step in steps:
-        checkpoints.save(state(step), home, step, keep_last)
+        save(state(step), home, keep_last)
 
 
 def corrupt(path: Path) -> None:
@@ -56,10 +61,10 @@ def corrupt(path: Path) -> None:
 
 
 def test_save_writes_the_file_and_the_latest_pointer(tmp_path):
-    path = checkpoints.save(state(7), tmp_path, 7, keep_last=3)
+    path = save(state(7), tmp_path, keep_last=3)
     assert path == tmp_path / "step_00000007.pt"
     assert (tmp_path / "latest").read_text() == "step_00000007.pt"
-    assert torch.equal(checkpoints.load(path)["model"]["weights"], torch.full((64, 64), 7.0))
+    assert torch.equal(load(path).state["model"]["weights"], torch.full((64, 64), 7.0))
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -77,8 +82,8 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.save(state(20), tmp_path, 20, keep_last=3)
-    path, loaded = checkpoints.find("last", tmp_path)
+        save(state(20), tmp_path, keep_last=3)
+    path, loaded = find("last", tmp_path)
     assert path.name == "step_00000010.pt" and loaded["step"] == 10
     assert (tmp_path / "latest").read_text() == "step_00000010.pt"
 
@@ -94,10 +99,10 @@ def test_a_crash_between_the_checkpoint_and_the_pointer_still_resumes_from_the_n
 
     monkeypatch.setattr(os, "replace", dies_before_the_pointer)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.save(state(20), tmp_path, 20, keep_last=3)
+        save(state(20), tmp_path, keep_last=3)
     monkeypatch.setattr(os, "replace", real_replace)
     # The rename made the file whole: step 20 is complete, though the pointer still names 10.
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+    assert find("last", tmp_path)[1]["step"] == 20
     assert not list(tmp_path.glob("*.tmp")), "an interrupted save removes its own temporary file"
 
 
@@ -105,7 +110,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one_and_says_s
     save_steps(tmp_path, 10, 20)
     corrupt(tmp_path / "step_00000020.pt")
     with caplog.at_level(logging.WARNING):
-        path, loaded = checkpoints.find("last", tmp_path)
+        path, loaded = find("last", tmp_path)
     assert loaded["step"] == 10
     assert "step_00000020.pt is damaged" in caplog.text and "falling back" in caplog.text
 
@@ -115,7 +120,7 @@ def test_a_truncated_newest_checkpoint_falls_back_too(tmp_path, caplog):
     newest = tmp_path / "step_00000020.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+        assert find("last", tmp_path)[1]["step"] == 10
     assert "step_00000020.pt is unreadable" in caplog.text
 
 
@@ -123,8 +128,8 @@ def test_without_verify_a_damaged_checkpoint_loads_as_it_is(tmp_path):
     """What checkpoint.verify=false risks: the checksums are what tell a flipped byte."""
     save_steps(tmp_path, 10, 20)
     corrupt(tmp_path / "step_00000020.pt")
-    assert checkpoints.find("last", tmp_path, verify=False)[1]["step"] == 20
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+    assert find("last", tmp_path, verify=False)[1]["step"] == 20
+    assert find("last", tmp_path)[1]["step"] == 10
 
 
 def test_naming_a_corrupted_checkpoint_explicitly_fails_clearly(tmp_path):
@@ -133,11 +138,11 @@ def test_naming_a_corrupted_checkpoint_explicitly_fails_clearly(tmp_path):
     with pytest.raises(
         CheckpointError, match="step_00000020.pt is damaged: its content no longer matches the checksum written at save"
     ):
-        checkpoints.find(str(tmp_path / "step_00000020.pt"), tmp_path)
+        find(str(tmp_path / "step_00000020.pt"), tmp_path)
 
 
 def test_a_checkpoint_is_sealed_with_the_checksum_of_its_bytes_and_still_loads_anywhere(tmp_path):
-    path = checkpoints.save(state(7), tmp_path, 7, keep_last=3)
+    path = save(state(7), tmp_path, keep_last=3)
     comment = zipfile.ZipFile(path).comment
     assert re.fullmatch(rb"crc32c:[0-9a-f]{8}", comment)
     assert torch.equal(torch.load(path, weights_only=True)["model"]["weights"], torch.full((64, 64), 7.0))
@@ -148,17 +153,17 @@ def test_a_file_that_does_not_end_as_a_zip_archive_is_left_unsealed(tmp_path, mo
     """The seal overwrites the archive's last two bytes: only where they are its comment length."""
     monkeypatch.setattr(torch, "save", lambda state, file: file.write(b"PK\x05\x06 but not at the end"))
     with open(tmp_path / "file", "wb") as file:
-        checkpoints._torch_save({}, file)
+        onefile._save_sealed({}, file)
     assert (tmp_path / "file").read_bytes() == b"PK\x05\x06 but not at the end"
 
 
 def test_a_checkpoint_written_before_seals_is_checked_record_by_record(tmp_path):
     """As the project wrote them before: torch.save's own zip, its records' CRC-32 only."""
     torch.save(state(20), tmp_path / "step_00000020.pt")
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+    assert find("last", tmp_path)[1]["step"] == 20
     corrupt(tmp_path / "step_00000020.pt")
     with pytest.raises(CheckpointError, match="step_00000020.pt is damaged: its record .* no longer matches"):
-        checkpoints.load(tmp_path / "step_00000020.pt")
+        load(tmp_path / "step_00000020.pt")
 
 
 class WritesAFile:
@@ -174,9 +179,9 @@ class WritesAFile:
 def test_a_malicious_pickle_is_refused_and_its_code_never_runs(tmp_path):
     marker = tmp_path / "pwned.txt"
     path = tmp_path / "step_00000001.pt"
-    torch.save({"format_version": checkpoints.FORMAT_VERSION, "payload": WritesAFile(marker)}, path)
+    torch.save({"format_version": FORMAT_VERSION, "payload": WritesAFile(marker)}, path)
     with pytest.raises(CheckpointError) as refused:
-        checkpoints.load(path)
+        load(path)
     assert str(refused.value) == (
         f"{path} was refused: it asks for exec, which only unrestricted unpickling could rebuild, "
         f"and that can run arbitrary code; load only checkpoints this project wrote"
@@ -190,7 +195,7 @@ def test_a_checkpoint_of_another_format_is_refused(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"model": {}}, path)
     with pytest.raises(CheckpointError, match="has format None; this project reads format 3"):
-        checkpoints.load(path)
+        load(path)
 
 
 def test_a_checkpoint_from_before_components_by_target_is_refused_naming_its_format(tmp_path, caplog):
@@ -198,15 +203,15 @@ def test_a_checkpoint_from_before_components_by_target_is_refused_naming_its_for
     old = {key: value for key, value in state(10).items() if key not in ("position", "tracker")}
     torch.save({**old, "format_version": 1, "data_position": {"epoch": 0, "batch": 10}}, tmp_path / "step_00000010.pt")
     with pytest.raises(CheckpointError, match=r"has format 1; this project reads format 3: resume it with the version"):
-        checkpoints.load(tmp_path / "step_00000010.pt")
+        load(tmp_path / "step_00000010.pt")
     with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="holds checkpoints, but none loads"):
-        checkpoints.find("last", tmp_path)
+        find("last", tmp_path)
     assert "has format 1" in caplog.text
 
 
 def test_resume_last_without_checkpoints_names_where_it_looked(tmp_path):
     with pytest.raises(RunError) as raised:
-        checkpoints.find("last", tmp_path / "nothing")
+        find("last", tmp_path / "nothing")
     assert f"resume=last found no valid checkpoint in {tmp_path / 'nothing'}" in str(raised.value)
     assert "resume=auto" in str(raised.value)
 
@@ -216,38 +221,38 @@ def test_resume_auto_with_only_damaged_checkpoints_stops_instead_of_starting_ove
     corrupt(tmp_path / "step_00000010.pt")
     for resume in ("auto", "last"):
         with pytest.raises(RunError, match=f"resume={resume}: .* holds checkpoints, but none loads"):
-            checkpoints.find(resume, tmp_path)
+            find(resume, tmp_path)
 
 
 def test_checkpoints_past_a_step_are_set_aside_not_deleted(tmp_path):
     save_steps(tmp_path, 10, 20, 30)
-    folder = checkpoints.set_aside_newer(tmp_path, 10)
+    folder = set_aside_newer(tmp_path, 10)
     assert sorted(path.name for path in folder.iterdir()) == ["step_00000020.pt", "step_00000030.pt"]
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 10
-    assert checkpoints.set_aside_newer(tmp_path, 10) is None
+    assert find("last", tmp_path)[1]["step"] == 10
+    assert set_aside_newer(tmp_path, 10) is None
 
 
 def test_resume_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
-        assert checkpoints.find("auto", tmp_path) is None
+        assert find("auto", tmp_path) is None
     assert "starting fresh" in caplog.text
 
 
 def test_resume_none_means_fresh_even_with_checkpoints_present(tmp_path):
     save_steps(tmp_path, 10)
-    assert checkpoints.find(None, tmp_path) is None
+    assert find(None, tmp_path) is None
 
 
 def test_resume_path_takes_a_file_or_the_newest_in_a_folder(tmp_path):
     save_steps(tmp_path / "elsewhere", 10, 20)
     home = tmp_path / "home"
-    assert checkpoints.find(str(tmp_path / "elsewhere" / "step_00000010.pt"), home)[1]["step"] == 10
-    assert checkpoints.find(str(tmp_path / "elsewhere"), home)[1]["step"] == 20
+    assert find(str(tmp_path / "elsewhere" / "step_00000010.pt"), home)[1]["step"] == 10
+    assert find(str(tmp_path / "elsewhere"), home)[1]["step"] == 20
 
 
 def test_resume_path_that_does_not_exist_is_one_clear_line(tmp_path):
     with pytest.raises(RunError, match="resume=/no/such.pt: no such file or folder"):
-        checkpoints.find("/no/such.pt", tmp_path)
+        find("/no/such.pt", tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -273,24 +278,24 @@ def test_an_incomplete_checkpoint_is_named_in_one_line_and_resume_last_falls_bac
     save_steps(tmp_path, 10)
     torch.save(change(state(20)), tmp_path / "step_00000020.pt")
     with pytest.raises(CheckpointError) as raised:
-        checkpoints.load(tmp_path / "step_00000020.pt")
+        load(tmp_path / "step_00000020.pt")
     message = str(raised.value)
     assert message.startswith(f"{tmp_path / 'step_00000020.pt'} is not a complete checkpoint: ") and "\n" not in message
     assert problem in message
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+        assert find("last", tmp_path)[1]["step"] == 10
     assert "is not a complete checkpoint" in caplog.text
 
 
 def test_a_claim_held_by_another_process_is_refused_naming_it_and_kill_9_frees_it(tmp_path):
     holder = hold(tmp_path)
-    with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path):
+    with pytest.raises(RunError) as raised, claim(tmp_path):
         pass
     assert str(raised.value).startswith(f"{tmp_path} is in use by PID {holder.pid} on {socket.gethostname()}, started ")
     assert str(raised.value).endswith("or train separately with name=<another name>")
     holder.kill()
     holder.wait()
-    with checkpoints.claim(tmp_path):
+    with claim(tmp_path):
         pass
 
 
@@ -299,7 +304,7 @@ def test_a_child_forked_by_the_holder_does_not_keep_the_lock_after_the_holder_is
     holder = hold(tmp_path, fork=True)
     holder.kill()
     holder.wait()
-    with checkpoints.claim(tmp_path):  # at once, while the child still runs
+    with claim(tmp_path):  # at once, while the child still runs
         pass
 
 
@@ -309,7 +314,7 @@ def test_a_claim_removes_only_the_temporary_files_this_module_writes(tmp_path):
     foreign = ["thesis.tmp", "step_00000020.pt.tmp", "notes.pt", "latest.backup"]
     for name in ours + foreign:
         (tmp_path / name).write_text("left over")
-    with checkpoints.claim(tmp_path):
+    with claim(tmp_path):
         pass
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
         [*foreign, "latest", "run.lock", "step_00000010.pt"]
@@ -322,7 +327,7 @@ def test_a_lock_file_that_links_elsewhere_is_refused_in_one_line_and_what_it_nam
     thesis.write_text("my thesis")
     home.mkdir(parents=True)
     (home / "run.lock").symlink_to(thesis) if link == "symbolic" else (home / "run.lock").hardlink_to(thesis)
-    with pytest.raises(RunError) as raised, checkpoints.claim(home):
+    with pytest.raises(RunError) as raised, claim(home):
         pass
     lock = home / "run.lock"
     assert str(raised.value) == (
@@ -342,20 +347,20 @@ def test_the_files_a_claim_and_a_save_write_replace_links_instead_of_writing_thr
     for name in ("latest", "step_00000010.pt", "result.json"):
         (home / name).symlink_to(outside)
     save_steps(home, 10)
-    checkpoints.write_text(home / "result.json", "{}")
+    write_text(home / "result.json", "{}")
     assert outside.read_text() == "mine"
     assert not any((home / name).is_symlink() for name in ("latest", "step_00000010.pt", "result.json"))
-    assert checkpoints.load(home / "step_00000010.pt")["step"] == 10
+    assert load(home / "step_00000010.pt").state["step"] == 10
 
 
 def test_checkpoints_are_set_aside_into_a_new_folder_even_when_its_name_is_taken(tmp_path, monkeypatch):
     save_steps(tmp_path, 10, 20)
-    monkeypatch.setattr(checkpoints.time, "strftime", lambda pattern: "20260101-000000")
+    monkeypatch.setattr(checkpoint_home.time, "strftime", lambda pattern: "20260101-000000")
     taken = tmp_path / "set-aside-20260101-000000-after-step-10"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     taken.symlink_to(elsewhere)
-    folder = checkpoints.set_aside_newer(tmp_path, 10)
+    folder = set_aside_newer(tmp_path, 10)
     assert folder == tmp_path / "set-aside-20260101-000000-after-step-10-1"
     assert [path.name for path in folder.iterdir()] == ["step_00000020.pt"] and not list(elsewhere.iterdir())
 
@@ -363,7 +368,7 @@ def test_checkpoints_are_set_aside_into_a_new_folder_even_when_its_name_is_taken
 @pytest.mark.parametrize("where", ["name", "folder"])
 def test_a_name_longer_than_the_file_system_allows_is_refused_in_one_line(tmp_path, where):
     home = tmp_path / "checkpoints" / ("n" * 300) if where == "name" else tmp_path / ("d" * 300) / "demo"
-    with pytest.raises(RunError) as raised, checkpoints.claim(home):
+    with pytest.raises(RunError) as raised, claim(home):
         pass
     assert str(raised.value) == (
         f"cannot write checkpoints to {home}: its part {home.parts[-1 if where == 'name' else -2][:40]!r}... is 300 "
@@ -374,7 +379,7 @@ def test_a_name_longer_than_the_file_system_allows_is_refused_in_one_line(tmp_pa
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
     target = tmp_path / "not-a-folder"
     target.write_text("mine")
-    with pytest.raises(RunError) as raised, checkpoints.claim(target):
+    with pytest.raises(RunError) as raised, claim(target):
         pass
     assert str(raised.value) == (
         f"cannot write checkpoints to {target} (it is a file, not a folder); free space or fix its permissions, "
@@ -403,7 +408,7 @@ def unwritable(folder: Path):
 
 def test_a_folder_that_cannot_be_written_is_refused_with_the_os_reason(tmp_path):
     with unwritable(tmp_path / "locked") as reason:
-        with pytest.raises(RunError) as raised, checkpoints.claim(tmp_path / "locked" / "demo"):
+        with pytest.raises(RunError) as raised, claim(tmp_path / "locked" / "demo"):
             pass
         assert str(raised.value).startswith(f"cannot write checkpoints to {tmp_path / 'locked' / 'demo'} ({reason});")
 
@@ -419,9 +424,9 @@ def test_a_save_onto_a_full_disk_says_so_and_leaves_the_previous_checkpoint_and_
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "open", onto_a_full_disk, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.checkpoint.files.open", onto_a_full_disk, raising=False)
     with pytest.raises(SaveError) as raised:
-        checkpoints.save(state(20), tmp_path, 20, keep_last=1)
+        save(state(20), tmp_path, keep_last=1)
     assert str(raised.value) == f"could not write {tmp_path / 'step_00000020.pt'} (No space left on device)"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_00000010.pt"]
     assert (tmp_path / "latest").read_text() == "step_00000010.pt"
@@ -446,19 +451,19 @@ def test_a_checkpoint_retention_may_not_delete_stays_with_a_warning_and_saving_g
     finally:
         subprocess.run(["chattr", "-i", str(protected)], check=True)
     assert f"could not remove {protected} (Operation not permitted); it stays" in caplog.text
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+    assert find("last", tmp_path)[1]["step"] == 20
 
 
 def save_folder(home: Path, step: int, keep_last: int = 3) -> Path:
     """A sharded checkpoint as the processes leave it for rank 0 to complete (written here by one
-    process, without a process group): shards in a temporary folder, then `save_folder`."""
-    temporary = checkpoints.temporary_folder(home, step)
+    process, without a process group): shards in a temporary folder, then `complete`."""
+    temporary = sharded.temporary_folder(home, step)
     writer = sharded.ChecksummingWriter(temporary)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
         dcp.save({"model": state(step)["model"]}, storage_writer=writer)
-    rest = {key: value for key, value in state(step).items() if key not in checkpoints.IN_SHARDS}
-    return checkpoints.save_folder({**rest, "shards": writer.files}, temporary, home, step, keep_last)
+    rest = {key: value for key, value in state(step).items() if key not in SHARDED_PARTS}
+    return sharded.complete({**rest, "shards": writer.files}, temporary, home, keep_last)
 
 
 def test_sharded_checkpoints_are_folders_kept_set_aside_and_cleaned_up_as_files_are(tmp_path):
@@ -470,18 +475,18 @@ def test_sharded_checkpoints_are_folders_kept_set_aside_and_cleaned_up_as_files_
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "latest", "step_00000020", "step_00000030", "step_00000040", "step_00000099", "step_7"
     ]  # fmt: skip
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 40
+    assert find("last", tmp_path)[1]["step"] == 40
 
-    folder = checkpoints.set_aside_newer(tmp_path, 20)
+    folder = set_aside_newer(tmp_path, 20)
     assert sorted(path.name for path in folder.iterdir()) == ["step_00000030", "step_00000040"]
-    assert (folder / "step_00000040" / checkpoints.STATE).is_file()
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 20
+    assert (folder / "step_00000040" / STATE).is_file()
+    assert find("last", tmp_path)[1]["step"] == 20
 
-    leftover = checkpoints.temporary_folder(tmp_path, 50)  # a save cut short by kill -9
+    leftover = sharded.temporary_folder(tmp_path, 50)  # a save cut short by kill -9
     leftover.mkdir()
     (leftover / "__1_0.distcp").write_bytes(b"half")
-    assert checkpoints.find("last", tmp_path)[1]["step"] == 20  # never taken for a checkpoint
-    with checkpoints.claim(tmp_path):
+    assert find("last", tmp_path)[1]["step"] == 20  # never taken for a checkpoint
+    with claim(tmp_path):
         pass
     assert not leftover.exists() and (tmp_path / "step_7").is_dir()
 
@@ -489,16 +494,16 @@ def test_sharded_checkpoints_are_folders_kept_set_aside_and_cleaned_up_as_files_
 def test_a_sharded_checkpoint_whose_shard_is_missing_or_cut_short_is_named_and_skipped(tmp_path, caplog):
     save_folder(tmp_path, 10)
     newest = save_folder(tmp_path, 20)
-    state_file = newest / checkpoints.STATE
+    state_file = newest / STATE
     saved = torch.load(state_file, weights_only=True)
     size, checksum = saved["shards"]["__0_0.distcp"]
     torch.save({**saved, "shards": {**saved["shards"], "__0_0.distcp": [size, checksum ^ 1]}}, state_file)
     with pytest.raises(CheckpointError, match="step_00000020 was refused: its shard file __0_0.distcp no longer"):
-        checkpoints.load(newest)
+        load(newest)
     (newest / "__0_0.distcp").write_bytes(b"cut")
     with pytest.raises(CheckpointError, match="its shard file __0_0.distcp is truncated or extended"):
-        checkpoints.load(newest)
+        load(newest)
     (newest / "__0_0.distcp").unlink()
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.find("last", tmp_path)[1]["step"] == 10
+        assert find("last", tmp_path)[1]["step"] == 10
     assert "its shard file __0_0.distcp is missing" in caplog.text

@@ -19,7 +19,7 @@ import torch
 from conftest import losses, run_cli, start, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_sigterm_saves_the_current_step_and_resume_last_continues_from_it(projec
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr
-    saved = checkpoints.newest_valid(home)[1]
+    saved = newest_valid(home)[1]
     assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr
     assert client.get_run(saved["tracker"]["run_id"]).info.status == "KILLED"
 
@@ -135,7 +135,7 @@ def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run
     assert final.returncode == 0, final.stderr
     assert "resumed at step" in final.stdout + final.stderr and "(ok)" in final.stdout + final.stderr
 
-    run_id = checkpoints.newest_valid(home)[1]["tracker"]["run_id"]
+    run_id = newest_valid(home)[1]["tracker"]["run_id"]
     logged = losses(client, run_id)
     assert max(logged) == 600
     mismatched = {step: values for step, values in logged.items() if any(value != expected[step] for value in values)}
@@ -172,7 +172,7 @@ def test_a_second_run_with_the_same_name_stops_at_once_and_the_first_keeps_its_c
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM
-    assert {checkpoints.load(path)["config"]["seed"] for path in home.glob("step_*.pt")} == {1}
+    assert {load(path).state["config"]["seed"] for path in home.glob("step_*.pt")} == {1}
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ import torch
 from conftest import losses, run_cli, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}} import checkpoints, distributed, train
+from {{cookiecutter.package}} import distributed, train
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.data import EpochSampler
 from {{cookiecutter.package}}.errors import RunError
 
@@ -177,7 +178,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
-    saved = checkpoints.newest_valid(project / "checkpoints" / "broken")[1]
+    saved = newest_valid(project / "checkpoints" / "broken")[1]
     assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr and saved["step"] < 70
     assert saved["position"]["sample"] % 64 == 0 and len(saved["rng"]["ranks"]) == 2
     resumed = finished(torchrun(project, "name=broken", *steps, "resume=last", strategy=strategy))
@@ -196,7 +197,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(pro
     wait_for_a_save(home, process)
     os.kill(ranks(process)[1], signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
-    saved = checkpoints.newest_valid(home)[1]
+    saved = newest_valid(home)[1]
     assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr  # rank 0's line: it stopped too
     assert "exitcode  : 143" in stdout + stderr  # torchrun's report of the ranks' exit
     assert only_run(store(project), "demo").info.status == "KILLED"
@@ -234,7 +235,7 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     os.kill(pid, signal.SIGKILL)
     process.communicate(timeout=120)
     assert process.returncode != 0
-    newest = checkpoints.newest_valid(home)[1]
+    newest = newest_valid(home)[1]
     # The save cut short never became a checkpoint. (Its temporary stays, or the surviving rank 0
     # removed it when the collective write failed; the next run removes any that stays.)
     assert newest["step"] < int(in_progress[0].name.split(".")[0].removeprefix("step_"))
@@ -270,7 +271,7 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
         "), so this one stops too; the reason is in the first lines of the process that stopped; then continue "
         "the job from its newest checkpoint with resume=last"
     )
-    assert checkpoints.newest_valid(home) is not None
+    assert newest_valid(home) is not None
 
 
 @pytest.mark.parametrize(
@@ -340,7 +341,7 @@ def test_ddp_with_nccl_on_every_gpu_trains_in_bf16_with_fused_adamw_and_resumes(
     assert f"{gpus} processes (nccl), this is rank 0" in first and "device: cuda:0" in first
     resumed = finished(torchrun(project, "trainer.max_steps=40", "resume=last", processes=gpus, device=settings))
     assert "resumed at step 20 on cuda:0" in resumed and "(ok)" in resumed
-    saved = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]
+    saved = newest_valid(project / "checkpoints" / "demo")[1]
     assert len(saved["rng"]["ranks"]) == gpus and saved["rng"]["ranks"][-1]["accelerator"]["type"] == "cuda"
 
 

@@ -17,8 +17,12 @@ import pytest
 import torch
 from conftest import hold, losses
 
-from {{cookiecutter.package}} import checkpoints, components, sharded
+from {{cookiecutter.package}} import components
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.files import Checksummed
+from {{cookiecutter.package}}.checkpoint.home import NAME
+from {{cookiecutter.package}}.checkpoint.onefile import save
+from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
 from {{cookiecutter.package}}.errors import RunError
 
 QUIET = "mlflow.enabled=false"
@@ -68,7 +72,7 @@ def test_skip_step_drops_the_update_of_a_non_finite_step_and_the_run_goes_on(mak
         caplog.text
     )
     assert summary["step"] == 15 and math.isfinite(summary["train/loss"])
-    weights = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+    weights = newest_valid(checkpoint_dir)[1]["model"]
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
 
 
@@ -76,8 +80,8 @@ def test_skip_step_leaves_the_weights_of_a_skipped_step_untouched(make_cfg, chec
     poison(6)  # the step after the save at 5
     settings = [QUIET, "trainer.max_steps=6", "checkpoint.every_n_steps=5", "trainer.on_nonfinite=skip_step"]
     recipe.train(make_cfg(*settings))
-    at_5 = checkpoints.load(checkpoint_dir / "step_00000005.pt")["model"]
-    at_6 = checkpoints.load(checkpoint_dir / "step_00000006.pt")["model"]
+    at_5 = load(checkpoint_dir / "step_00000005.pt").state["model"]
+    at_6 = load(checkpoint_dir / "step_00000006.pt").state["model"]
     assert all(torch.equal(at_5[key], at_6[key]) for key in at_5)
 
 
@@ -110,7 +114,7 @@ def test_under_fp16_the_grad_scaler_absorbs_a_non_finite_step_and_the_default_po
     poison(7)
     summary = recipe.train(make_cfg(QUIET, *EVERY_5, "amp=fp16"))
     assert summary["step"] == 15
-    assert checkpoints.newest_valid(checkpoint_dir)[1]["scaler"]["scale"] < 2.0**16, "the scaler backed off"
+    assert newest_valid(checkpoint_dir)[1]["scaler"]["scale"] < 2.0**16, "the scaler backed off"
 
 
 def test_without_a_scaler_the_default_policy_stops_at_the_first_non_finite_loss(make_cfg, checkpoint_dir, poison):
@@ -135,9 +139,9 @@ def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg
 @pytest.mark.slow
 def test_a_non_finite_probe_loss_is_not_reported_as_a_continuity_mismatch(make_cfg, client, checkpoint_dir, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
-    _, saved = checkpoints.newest_valid(checkpoint_dir)
+    _, saved = newest_valid(checkpoint_dir)
     saved["probe"]["loss"] = math.nan
-    checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
+    save(saved, checkpoint_dir, keep_last=3)
     with caplog.at_level(logging.WARNING):
         resumed = recipe.train(
             make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error")
@@ -154,13 +158,13 @@ def onto_a_full_disk(monkeypatch, failing_steps: set[int]) -> None:
         pytest.skip("needs /dev/full")
 
     def open_checkpoint(path, mode="r", *args, **kwargs):
-        step = checkpoints.NAME.match(Path(path).name)
+        step = NAME.match(Path(path).name)
         if step and int(step[1]) in failing_steps and str(path).endswith(".tmp"):
             open(path, mode).close()
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "open", open_checkpoint, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.checkpoint.files.open", open_checkpoint, raising=False)
 
 
 def test_a_disk_that_fills_up_mid_run_costs_a_warning_and_saving_resumes_when_it_has_room(
@@ -191,7 +195,7 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
         f"saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}; free space or fix the "
         f"folder, then continue with resume=last"
     )
-    run_id = checkpoints.newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
+    run_id = newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"
 
 
@@ -221,7 +225,7 @@ def test_extending_a_run_reports_the_lr_jump_and_keeping_the_horizon_avoids_it(
 ):
     first = recipe.train(make_cfg("trainer.max_steps=30", "checkpoint.every_n_steps=30"))
     at_30 = losses(client, first["run_id"], "train/lr")[30][0]
-    assert checkpoints.newest_valid(checkpoint_dir)[1]["config"]["scheduler"]["total_steps"] == 30
+    assert newest_valid(checkpoint_dir)[1]["config"]["scheduler"]["total_steps"] == 30
     with caplog.at_level(logging.INFO):
         recipe.train(make_cfg("trainer.max_steps=40", "checkpoint.every_n_steps=30", "resume=last"))
     assert losses(client, first["run_id"], "train/lr")[31][0] > 5 * at_30, "the stretched cosine jumps back up"
@@ -240,7 +244,7 @@ def test_extending_a_run_reports_the_lr_jump_and_keeping_the_horizon_avoids_it(
         )
     )
     assert kept["step"] == 35
-    optimizer = checkpoints.newest_valid(checkpoint_dir)[1]["optimizer"]
+    optimizer = newest_valid(checkpoint_dir)[1]["optimizer"]
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(at_30), "past its horizon the lr stays at the floor"
 
 
@@ -265,14 +269,14 @@ def test_a_full_disk_during_a_sharded_save_costs_a_warning_and_leaves_no_partial
 ):
     """strategy=fsdp in this process (a group of one): every process writes shards, so a write
     can fail on any of them; the save fails on all alike and removes its temporary folder."""
-    real_write = sharded._Checksummed.write
+    real_write = Checksummed.write
 
     def write(stream, data):
         if "step_00000010." in stream.stream.name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(stream, data)
 
-    monkeypatch.setattr(sharded._Checksummed, "write", write)
+    monkeypatch.setattr(Checksummed, "write", write)
     with caplog.at_level(logging.WARNING):
         summary = recipe.train(make_cfg(QUIET, "strategy=fsdp", *EVERY_5, "trainer.max_steps=20"))
     assert summary["step"] == 20

@@ -4,7 +4,7 @@ checkpoint. Skipped where the device is absent; on a GPU machine: `pytest -m cud
 import pytest
 import torch
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.train import train
 
 GPUS = [
@@ -20,7 +20,7 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu_with_its_state_placed_there(make_cf
     resumed = train(make_cfg(f"device={gpu}", f"amp={amp}", "trainer.max_steps=40", "resume=last"))
     run = client.get_run(resumed["run_id"])
     assert run.data.tags["device.type"] == gpu and run.data.tags["continuity"] == "ok"
-    saved = checkpoints.newest_valid(checkpoint_dir)[1]
+    saved = newest_valid(checkpoint_dir)[1]
     assert saved["device"]["type"] == gpu and saved["step"] == 40
     assert saved["rng"]["ranks"][0]["accelerator"]["type"] == gpu
 

@@ -9,8 +9,11 @@ import pytest
 import torch
 from conftest import losses
 
-from {{cookiecutter.package}} import checkpoints
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.home import path_of
+from {{cookiecutter.package}}.checkpoint.manager import Checkpointer
+from {{cookiecutter.package}}.checkpoint.onefile import save
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
 
@@ -40,7 +43,7 @@ def sigterm_at(monkeypatch):
 
 
 def run_id_of(checkpoint_dir) -> str:
-    return checkpoints.newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
+    return newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
 
 
 # The default settings by default; the variants under --all (each is three trainings).
@@ -74,7 +77,7 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
     with pytest.raises(SystemExit) as stopped:
         recipe.train(make_cfg(*common))
     assert stopped.value.code == 128 + signal.SIGTERM
-    path, saved = checkpoints.newest_valid(checkpoint_dir)
+    path, saved = newest_valid(checkpoint_dir)
     batches = STOP_AT * saved["config"]["trainer"]["grad_accum_steps"]
     assert (saved["step"], saved["position"]) == (STOP_AT, {"epoch": batches // 22, "sample": 64 * (batches % 22)})
     monkeypatch.undo()
@@ -87,14 +90,14 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
 
 def test_checkpoint_verify_false_trusts_the_file_and_so_resumes_from_a_damaged_one(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.max_steps=10"))
-    newest = checkpoints.path_of(checkpoint_dir, 10)
+    newest = path_of(checkpoint_dir, 10)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the weights: torch.load reads it all the same
     newest.write_bytes(bytes(data))
     cpu = World(torch.device("cpu"))
     with pytest.raises(RunError, match="holds checkpoints, but none loads"):
         recipe.setup(make_cfg(QUIET, "resume=last"), cpu, checkpoint_dir)
-    run, (path, _) = recipe.setup(make_cfg(QUIET, "resume=last", "checkpoint.verify=false"), cpu, checkpoint_dir)
+    run, _, (path, _) = recipe.setup(make_cfg(QUIET, "resume=last", "checkpoint.verify=false"), cpu, checkpoint_dir)
     assert path == newest and run.step == 10
 
 
@@ -105,7 +108,7 @@ def test_setup_restores_after_the_move_so_every_tensor_lands_on_the_target_devic
     state follows the parameters to the device, and the audit in setup passes."""
     recipe.train(make_cfg(QUIET, f"model={model}", "trainer.max_steps=10"))
     meta = torch.device("meta")
-    run, (path, _) = recipe.setup(make_cfg(QUIET, f"model={model}", "resume=last"), World(meta), checkpoint_dir)
+    run, _, (path, _) = recipe.setup(make_cfg(QUIET, f"model={model}", "resume=last"), World(meta), checkpoint_dir)
     assert path.name == "step_00000010.pt" and run.step == 10
     states = [state for param in run.model.parameters() for state in run.optimizer.state[param].values()]
     assert states and {state.device for state in states if state.dim() > 0} == {meta}
@@ -159,7 +162,7 @@ def test_amp_switched_between_fp16_and_off_across_a_resume_works(make_cfg, clien
 
 def test_a_fp16_checkpoint_carries_the_scaler_state(make_cfg, checkpoint_dir):
     recipe.train(make_cfg("amp=fp16", "trainer.max_steps=10", "mlflow.enabled=false"))
-    scaler = checkpoints.newest_valid(checkpoint_dir)[1]["scaler"]
+    scaler = newest_valid(checkpoint_dir)[1]["scaler"]
     assert scaler["scale"] > 0 and "_growth_tracker" in scaler
 
 
@@ -229,9 +232,9 @@ def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_
 @pytest.mark.slow
 def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cfg, checkpoint_dir, client, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
-    path, saved = checkpoints.newest_valid(checkpoint_dir)
+    path, saved = newest_valid(checkpoint_dir)
     saved["probe"]["loss"] += 0.5  # as if the weights had not been restored faithfully
-    checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
+    save(saved, checkpoint_dir, keep_last=3)
     with pytest.raises(RunError, match=r"resumed at step 10 on cpu: loss at save .* \(mismatch\)"):
         recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error"))
     with caplog.at_level(logging.WARNING):
@@ -243,7 +246,7 @@ def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cf
 def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_continues(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.max_steps=40"))
     recipe.train(make_cfg(QUIET, "trainer.max_steps=25", f"resume={checkpoint_dir / 'step_00000020.pt'}"))
-    assert checkpoints.newest_valid(checkpoint_dir)[1]["step"] == 25
+    assert newest_valid(checkpoint_dir)[1]["step"] == 25
     (set_aside,) = checkpoint_dir.glob("set-aside-*-after-step-20")
     assert sorted(path.name for path in set_aside.iterdir()) == ["step_00000030.pt", "step_00000040.pt"]
     assert recipe.train(make_cfg(QUIET, "trainer.max_steps=30", "resume=last"))["step"] == 30
@@ -259,3 +262,41 @@ def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_trai
         RunError, match=r"data \(.*digits\): val_fraction=0.0001 leaves 0 of 1797 samples for validation"
     ):
         recipe.train(make_cfg(QUIET, "data.val_fraction=0.0001"))
+
+
+class Counter:
+    """A part a user adds: anything with state_dict and load_state_dict."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def state_dict(self) -> dict:
+        self.saves += 1
+        return {"saves": self.saves}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saves = state["saves"]
+
+
+def test_a_part_handed_to_the_checkpointer_is_saved_and_restored_and_an_older_checkpoint_without_it_is_named(
+    make_cfg, checkpoint_dir, monkeypatch
+):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=10", "checkpoint.every_n_steps=5"))  # before the part existed
+    counters, real_init = [], Checkpointer.__init__
+
+    def with_a_counter(self, cfg, world, strategy, parts, **hooks) -> None:
+        counters.append(Counter())
+        real_init(self, cfg, world, strategy, {**parts, "counter": counters[-1]}, **hooks)
+
+    monkeypatch.setattr(Checkpointer, "__init__", with_a_counter)
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "resume=last"))
+    assert str(raised.value) == (
+        f"{path_of(checkpoint_dir, 10)} holds no counter, which this run saves; resume from a checkpoint of this "
+        f"version of the project, or start a new run with name=<new name>"
+    )
+    counted = [f"checkpoint.dir={checkpoint_dir.parent / 'counted'}", "checkpoint.every_n_steps=5"]
+    recipe.train(make_cfg(QUIET, *counted, "trainer.max_steps=10"))
+    assert newest_valid(checkpoint_dir.parent / "counted").state["counter"] == {"saves": 2}
+    recipe.train(make_cfg(QUIET, *counted, "trainer.max_steps=15", "resume=last"))
+    assert counters[-1].saves == 3 and newest_valid(checkpoint_dir.parent / "counted").state["counter"] == {"saves": 3}

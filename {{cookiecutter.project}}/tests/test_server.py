@@ -13,7 +13,7 @@ import pytest
 from conftest import losses, run_cli, start
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}} import checkpoints
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_met
     assert process.returncode == 0, stderr
     output = stdout + stderr
     assert "MLflow is not taking metrics" in output and "finished at step 4000" in output
-    run_id = checkpoints.newest_valid(home)[1]["tracker"]["run_id"]
+    run_id = newest_valid(home)[1]["tracker"]["run_id"]
     spill = home / f"unsent-metrics-{run_id}.jsonl"
     assert f"they are in {spill}" in output
     assert f"could not mark MLflow run {run_id} FINISHED (" in output

@@ -24,8 +24,10 @@ from conftest import losses, run_cli, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from {{cookiecutter.package}} import checkpoints, mlflow_store
+from {{cookiecutter.package}} import mlflow_store
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.onefile import save
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.config import MlflowConfig
 from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
@@ -141,9 +143,9 @@ def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goe
 @pytest.mark.slow
 def test_a_run_that_fails_is_marked_failed_not_left_running(make_cfg, client, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10"))
-    path, saved = checkpoints.newest_valid(checkpoint_dir)
+    path, saved = newest_valid(checkpoint_dir)
     saved["probe"]["loss"] *= 2
-    checkpoints.save(saved, checkpoint_dir, saved["step"], keep_last=3)
+    save(saved, checkpoint_dir, keep_last=3)
     with pytest.raises(recipe.RunError):
         recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "checkpoint.continuity.on_mismatch=error"))
     assert client.get_run(saved["tracker"]["run_id"]).info.status == "FAILED"
@@ -365,7 +367,7 @@ def test_a_sender_killed_mid_run_loses_no_metric_and_the_run_still_ends_as_it_di
     process.send_signal(signal.SIGTERM)
     output = "".join(process.communicate(timeout=180))
     assert process.returncode == 128 + signal.SIGTERM, output
-    saved = checkpoints.newest_valid(home)[1]
+    saved = newest_valid(home)[1]
     run_id, last = saved["tracker"]["run_id"], saved["step"]
     spill = home / f"unsent-metrics-{run_id}.jsonl"
     said = r"the MLflow sender process died \(exit code -9\); the metrics from step \d+ on were kept in "
@@ -555,7 +557,7 @@ def test_the_training_process_leaves_mlflow_to_the_sender_and_imports_only_what_
     unused = {name for name in imported for banned in NOT_IMPORTED if (name + ".").startswith(banned + ".")}
     assert unused == set()
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    run_id = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
+    run_id = newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert sorted(losses(client, run_id)) == list(range(1, 11)), "the sender delivered every step"
 
@@ -572,7 +574,7 @@ def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(proj
     assert "finished at step 8000" in stdout + stderr
     assert "Traceback" not in stderr and "SQLAlchemy database error" not in stderr
     assert "MLflow is not taking metrics (attempt to write a readonly database); training goes on" in stderr
-    run_id = checkpoints.newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
+    run_id = newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
     assert f"could not mark MLflow run {run_id} FINISHED (attempt to write a readonly database)" in stderr
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from {{cookiecutter.package}} import checkpoints, components, progress
+from {{cookiecutter.package}} import components, progress
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.data import EpochSampler, Position, batches, build_loader, evaluation_loader
 from {{cookiecutter.package}}.devices import to_device
 from {{cookiecutter.package}}.distributed import World
@@ -28,7 +29,7 @@ def digits_model(cfg) -> torch.nn.Module:
 
 def weights_after(make_cfg, checkpoint_dir, *overrides: str) -> dict[str, torch.Tensor]:
     recipe.train(make_cfg(QUIET, *overrides))
-    return checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+    return newest_valid(checkpoint_dir)[1]["model"]
 
 
 def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_cfg, checkpoint_dir, tmp_path):
@@ -39,7 +40,7 @@ def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_
     halves = weights_after(make_cfg, checkpoint_dir, *same, "data.batch_size=32", "trainer.grad_accum_steps=2")
     for key in full:
         torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
-    position = checkpoints.newest_valid(checkpoint_dir)[1]["position"]
+    position = newest_valid(checkpoint_dir)[1]["position"]
     assert position == {"epoch": 0, "sample": 320}, "five steps of two batches of 32 each"
 
 
@@ -53,7 +54,7 @@ def test_gradient_clipping_bounds_the_update_to_the_true_gradient_norm(make_cfg,
         "trainer.max_steps=1", "trainer.grad_clip=0.01",
     )  # fmt: skip
     recipe.train(cfg)
-    after = checkpoints.newest_valid(checkpoint_dir)[1]["model"]
+    after = newest_valid(checkpoint_dir)[1]["model"]
     seed_everything(cfg.seed)  # the recipe's first draws build the model: rebuild its start
     before = digits_model(cfg).state_dict()
     step = torch.cat([(after[key] - before[key]).flatten() for key in before])
@@ -159,7 +160,7 @@ def test_channels_last_puts_image_batches_in_nhwc_and_leaves_other_tensors_alone
 def test_evaluation_places_its_batches_as_training_does(make_cfg, checkpoint_dir):
     """The CNN sees NHWC batches in validation too, under trainer.channels_last=true."""
     cfg = make_cfg(QUIET, "model=cnn", "trainer.channels_last=true")
-    run, _ = recipe.setup(cfg, World(torch.device("cpu")), checkpoint_dir)
+    run, _, _ = recipe.setup(cfg, World(torch.device("cpu")), checkpoint_dir)
     layouts = []
     run.model.register_forward_pre_hook(
         lambda module, inputs: layouts.append(inputs[0].is_contiguous(memory_format=torch.channels_last))
@@ -170,7 +171,7 @@ def test_evaluation_places_its_batches_as_training_does(make_cfg, checkpoint_dir
 
 @pytest.mark.parametrize("accumulated", [1, 2])
 def test_the_loss_a_step_reports_is_float32_whatever_dtype_the_loss_comes_in(make_cfg, checkpoint_dir, accumulated):
-    run, _ = recipe.setup(make_cfg(QUIET, "amp=bf16"), World(torch.device("cpu")), checkpoint_dir)
+    run, _, _ = recipe.setup(make_cfg(QUIET, "amp=bf16"), World(torch.device("cpu")), checkpoint_dir)
     criterion = run.criterion
     run.criterion = lambda outputs, targets: criterion(outputs, targets).bfloat16()  # a loss computed in bf16
     batch = next(iter(run.val_loader))
@@ -180,7 +181,7 @@ def test_the_loss_a_step_reports_is_float32_whatever_dtype_the_loss_comes_in(mak
 @pytest.mark.slow
 def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.compile=true", "trainer.max_steps=10"))
-    keys = set(checkpoints.newest_valid(checkpoint_dir)[1]["model"])
+    keys = set(newest_valid(checkpoint_dir)[1]["model"])
     assert keys == set(digits_model(make_cfg()).state_dict())
     assert recipe.train(make_cfg(QUIET, "trainer.max_steps=20", "resume=last"))["step"] == 20
 

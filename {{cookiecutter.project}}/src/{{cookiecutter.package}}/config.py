@@ -61,7 +61,7 @@ class CheckpointConfig:
     every_n_steps: int = MISSING
     keep_last: int = MISSING
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
-    async_save: bool = True  # written by a background thread while training goes on (async_save.py)
+    async_save: bool = True  # written by a background thread while training goes on (checkpoint/background.py)
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
 
 

@@ -1,67 +1,45 @@
-"""The proof that a resume continued the run: the loss on a fixed probe of validation samples,
-stored in each checkpoint and measured again after the restore, must match.
-
-The probe is evaluated as validation is (evaluation.py), in one batch and whole in every process,
-so its loss at save and at resume is computed the same way whatever the batch size and the number
-of processes.
-"""
-
-from __future__ import annotations
+"""The proof that a resume continued the run: the loss on the probe's fixed validation samples
+(probe.py), measured before each save and stored in the checkpoint, must match after the restore.
+A model whose loss or weights are no longer finite is not saved at all."""
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
-import torch
-from torch.utils.data import Dataset, Subset
-
-from .data import evaluation_loader, global_batch
+from .checkpoint.schema import Checkpoint
+from .data import global_batch
+from .divergence import nonfinite_weights
 from .errors import RunError
 from .evaluation import evaluate
-
-if TYPE_CHECKING:
-    from .train import Run
+from .parts import Run
+from .precision import setting
 
 log = logging.getLogger(__name__)
 
 
-class Probe:
-    """A fixed `Subset` of the validation set, and its loss at the last save. A checkpoint part
-    (state_dict, load_state_dict): a resume measures the same samples the save measured."""
-
-    def __init__(self, val: Dataset, size: int) -> None:
-        self.val = val
-        self.indices = torch.arange(min(size, len(val)))
-        self.loss: float | None = None  # at the last save
-        self.saved_loss: float | None = None  # in the checkpoint this run resumed from
-
-    def measure(self, run: Run) -> float:
-        loader = evaluation_loader(Subset(self.val, self.indices.tolist()), len(self.indices), 0, run.cfg.device)
-        return evaluate(run, loader, shared=False)["val/loss"]
-
-    def state_dict(self) -> dict:
-        return {"indices": self.indices, "loss": self.loss}
-
-    def load_state_dict(self, state: dict) -> None:
-        indices, loss = state["indices"], state["loss"]
-        if not torch.is_tensor(indices) or not isinstance(loss, float):
-            raise ValueError("a probe is a tensor of indices and a float loss")
-        if len(indices) and int(indices.max()) >= len(self.val):
-            raise RunError(
-                f"the checkpoint's continuity probe uses validation sample {int(indices.max())}, but this data has "
-                f"{len(self.val)}; resume with the data settings it was trained with, or start a new run with "
-                f"name=<new name>"
-            )
-        self.indices, self.saved_loss = indices, loss
+def measure(run: Run) -> float:
+    """The probe's loss now, evaluated as validation is (evaluation.py)."""
+    return evaluate(run, run.probe.loader(run.cfg.device), shared=False)["val/loss"]
 
 
-def check(run: Run, saved: dict, step: int) -> str:
+def unsaveable(run: Run) -> list[str]:
+    """Measures the probe's loss for the checkpoint about to be saved, and returns why the run's
+    state must not be saved: the weights or the probe loss that are no longer finite (each process
+    sees its own shards under fsdp; all must stop together)."""
+    loss = measure(run)
+    weights = list(dict.fromkeys(name for names in run.world.gather(nonfinite_weights(run.model)) for name in names))
+    broken = weights + ([] if math.isfinite(loss) else [f"probe loss {loss}"])
+    if not broken:
+        run.probe.loss = loss
+    return broken
+
+
+def check(run: Run, saved: Checkpoint) -> str:
     """Compares the probe loss now with the one stored at save: exactly, on the same device type
     and AMP setting; within `checkpoint.continuity.rtol` when either changed. Returns the verdict:
     ok, mismatch, or nonfinite when the loss at save was not a number."""
     settings = run.cfg.checkpoint.continuity
-    before, now = run.probe.saved_loss, run.probe.measure(run)
-    same_setup = saved["device"]["type"] == run.device.type and saved["amp"] == amp_setting(run.cfg)
+    before, now, step = run.probe.saved_loss, measure(run), saved.step
+    same_setup = saved.device_type == run.device.type and saved.amp == setting(run.cfg.amp)
     ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
     # NaN equals nothing, itself included: a NaN loss at save can prove neither continuity nor a
     # break (a finite one at save and NaN now is a break).
@@ -83,15 +61,11 @@ def check(run: Run, saved: dict, step: int) -> str:
     return verdict
 
 
-def amp_setting(cfg) -> dict:
-    return {"enabled": cfg.amp.enabled, "dtype": cfg.amp.dtype}
-
-
-def batch_change(saved: dict, run: Run) -> str:
+def batch_change(saved: Checkpoint, run: Run) -> str:
     """What the resume does to the global batch (samples per optimizer step): nothing, or a clause
     with the settings that keep it. Not a break in continuity, whatever the number of processes
     (the probe is evaluated whole), but the steps after it train on another batch."""
-    before, now = global_batch(saved["config"], len(saved["rng"]["ranks"])), global_batch(run.cfg, run.world.size)
+    before, now = global_batch(saved.config, saved.processes), global_batch(run.cfg, run.world.size)
     if before == now:
         return ""
     keep = [
@@ -102,8 +76,7 @@ def batch_change(saved: dict, run: Run) -> str:
         )
         if before * value % now == 0
     ]
-    saved_processes = len(saved["rng"]["ranks"])
-    processes = f" ({saved_processes} -> {run.world.size} processes)" if saved_processes != run.world.size else ""
+    processes = f" ({saved.processes} -> {run.world.size} processes)" if saved.processes != run.world.size else ""
     return f"; the global batch changes from {before} to {now} samples a step{processes}" + (
         f": resume with {' or '.join(keep)} to keep it" if keep else ""
     )

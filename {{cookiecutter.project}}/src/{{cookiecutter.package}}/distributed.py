@@ -1,7 +1,7 @@
 """Training as one of several processes (`strategy=ddp` or `fsdp`): which process this is, its
-device, the process group, how the model is spread over the processes, and the few collective
-steps the recipe takes. With `strategy=single` the world is this process alone and every
-collective step returns what it was given, so the recipe reads the same either way.
+device, the process group, and the few collective steps the recipe takes (how the model is spread
+over the processes is strategies.py's). With `strategy=single` the world is this process alone and
+every collective step returns what it was given, so the recipe reads the same either way.
 
 Processes come from torchrun (`torchrun --nproc-per-node=4 run.py strategy=ddp`), which sets
 RANK, LOCAL_RANK and WORLD_SIZE, or from SLURM through submitit (`hydra/launcher=slurm`), whose
@@ -21,10 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from .devices import ACCELERATORS, resolve_device
 from .errors import RunError
@@ -47,7 +43,6 @@ class World:
     local_rank: int = 0  # on this machine: the index of its accelerator
     size: int = 1
     backend: str | None = None  # of the process group; None: no group (strategy=single)
-    sharded: bool = False  # strategy=fsdp: each process holds a shard of the parameters and optimizer state
 
     @property
     def is_main(self) -> bool:
@@ -153,7 +148,7 @@ def join(cfg: "Config") -> Iterator[World]:
         **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}),
     )
     try:
-        yield World(device, rank, local_rank, size, backend, sharded=cfg.strategy.type == "fsdp")
+        yield World(device, rank, local_rank, size, backend)
     except Exception as error:
         if (lost := peer_lost(error, cfg.strategy.timeout_s)) is None:
             raise
@@ -222,63 +217,6 @@ def check_device_per_process(cfg: "Config") -> None:
             f"own xpu support (device=xpu) trains"
         )
 {%- endif %}
-
-
-def shard(model: nn.Module, world: World, cfg: "Config", build: Callable[[], nn.Module]) -> None:
-    """strategy=fsdp: `model`, built on the meta device, sharded over the processes (FSDP2), each
-    block named in `strategy.blocks` as a unit and then the whole, given memory on this process's
-    device, and set to the weights that `build()` makes on rank 0: the same weights a single
-    process would start from, whatever the number of processes."""
-    # Imported here: torch.distributed.checkpoint takes 1 s to import, which no other strategy uses.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    # An explicit mesh of this device type: without one, older torch put a gloo model on CUDA.
-    mesh = init_device_mesh(world.device.type, (world.size,))
-    # bf16: parameters gathered and computed in bf16, gradients reduced in fp32. fp16 keeps fp32
-    # parameters (its GradScaler unscales fp32 gradients); autocast chooses each op's dtype as in one process.
-    policy = (
-        MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-        if cfg.amp.enabled and cfg.amp.dtype == "bfloat16"
-        else MixedPrecisionPolicy()
-    )
-    blocks = set(cfg.strategy.blocks)
-    for module in list(model.modules())[1:]:
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.strategy.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.strategy.reshard_after_forward)
-    model.to_empty(device=world.device)
-    weights = build().state_dict() if world.is_main else {}
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
-def wrap(model: nn.Module, world: World, cfg: "Config") -> nn.Module:
-    """The model as training calls it: in DistributedDataParallel, which broadcasts rank 0's
-    weights now and averages the gradients in every backward; the model itself otherwise (one
-    process, or sharded by `shard`, which already reduces the gradients)."""
-    if world.backend is None or world.sharded:
-        return model
-    return DistributedDataParallel(
-        model,
-        device_ids=[world.device.index] if world.device.type in ACCELERATORS else None,
-        find_unused_parameters=cfg.strategy.find_unused_parameters,
-    )
-
-
-@contextlib.contextmanager
-def gradients_held(model: nn.Module) -> Iterator[None]:
-    """A backward that keeps its gradients on this rank (all but the last micro-batch of an
-    accumulated step): averaging them once, at the last, gives the same result for less traffic."""
-    if isinstance(model, DistributedDataParallel):
-        with model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
 
 
 def quiet_unless_main(rank: int) -> None:

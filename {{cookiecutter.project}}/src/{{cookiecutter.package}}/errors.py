@@ -1,4 +1,4 @@
-"""The one exception type that reaches the person running the job, and errors said in one line."""
+"""The exceptions that reach the person running the job, each said in one line."""
 
 
 class RunError(Exception):
@@ -6,6 +6,14 @@ class RunError(Exception):
 
     The message says what was asked, what was found, and what to type instead.
     """
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be used: damaged, unsafe, incomplete, or from an unknown format."""
+
+
+class SaveError(RunError):
+    """A checkpoint that could not be written (a full disk, a folder gone read-only)."""
 
 
 def first_line(error: BaseException) -> str:

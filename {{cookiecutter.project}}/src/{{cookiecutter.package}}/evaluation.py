@@ -5,10 +5,7 @@ Metrics are torchmetrics objects (update per batch, compute at the end), so that
 across processes once training runs on several.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
@@ -17,10 +14,8 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 from . import components
+from .parts import Run
 from .precision import autocast
-
-if TYPE_CHECKING:
-    from .train import Run
 
 
 def build_metrics(cfg: DictConfig, num_classes: int, device: torch.device) -> dict[str, Metric]:
@@ -37,7 +32,7 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
     # NaN kept, not dropped with a warning (torchmetrics' default): a NaN loss must show.
     loss = MeanMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device)
     metrics = run.metrics if shared else {}
-    for inputs, targets in batches(loader, run, shared):
+    for inputs, targets in in_step(loader, run, shared):
         inputs, targets = run.place(inputs), run.place(targets)
         with autocast(run.amp, run.device):
             outputs = run.model(inputs)
@@ -55,14 +50,14 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
     return results
 
 
-def batches(loader: DataLoader, run: Run, shared: bool) -> Iterator[list[torch.Tensor]]:
-    """The loader's batches; then, under strategy=fsdp, where each forward gathers parameters from
-    every process (a collective step), empty batches until this process has run as many forwards
-    as the process whose share of the samples has the most batches."""
+def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[list[torch.Tensor]]:
+    """The loader's batches; then, where each forward is a collective step (strategy=fsdp gathers
+    parameters from every process), empty batches until this process has run as many forwards as
+    the process whose share of the samples has the most batches."""
     count = 0
     for batch in loader:
         count += 1
         yield batch
-    if run.world.sharded and shared:
+    if run.strategy.collective_forward and shared:
         for _ in range(run.world.max(count) - count):
             yield [tensor[:0] for tensor in batch]

@@ -61,3 +61,8 @@ def _autocast_works(amp: AmpConfig, device: torch.device) -> bool:
 
 def describe(amp: AmpConfig) -> str:
     return f"autocast {amp.dtype}" if amp.enabled else "off"
+
+
+def setting(amp: AmpConfig) -> dict:
+    """The AMP setting as a checkpoint records it: a resume under another is not held to exact equality."""
+    return {"enabled": amp.enabled, "dtype": amp.dtype}

@@ -1,4 +1,4 @@
-"""What a person watching a run sees of its progress: a bar on a terminal; off one (under SLURM,
+"""What a person watching a run sees of its progress, and the throughput it logs: a bar on a terminal; off one (under SLURM,
 nohup, CI), where a bar shows nothing, a line at a logging step once `trainer.progress_every_s`
 seconds have passed since the last, so that a log file shows the run is alive and when it ends.
 Only rank 0 shows either."""
@@ -40,3 +40,30 @@ class Progress:
         steps_per_s = (step - self.first_step) / max(now - self.started, 1e-9)
         eta = timedelta(seconds=round((self.max_steps - step) / steps_per_s)) if steps_per_s else "?"
         log.info(f"step {step}/{self.max_steps}: loss {loss:.4f}, {samples_per_s:.0f} samples/s, ETA {eta}")
+
+
+class Throughput:
+    """Samples and steps per second: over the window since the last log, and over the run."""
+
+    def __init__(self) -> None:
+        self.started = self.window_started = time.perf_counter()
+        self.steps = self.samples = self.window_steps = self.window_samples = 0
+
+    def count(self, samples: int) -> None:
+        self.steps, self.samples = self.steps + 1, self.samples + samples
+        self.window_steps, self.window_samples = self.window_steps + 1, self.window_samples + samples
+
+    def window(self) -> dict[str, float]:
+        """The window's rates, and a new window."""
+        now = time.perf_counter()
+        seconds = now - self.window_started
+        rates = {
+            "train/samples_per_s": self.window_samples / seconds,
+            "train/step_time_ms": 1000 * seconds / self.window_steps,
+        }
+        self.window_started, self.window_steps, self.window_samples = now, 0, 0
+        return rates
+
+    def total(self) -> dict[str, float]:
+        seconds = time.perf_counter() - self.started
+        return {"train/steps_per_s": self.steps / seconds, "train/samples_per_s": self.samples / seconds}

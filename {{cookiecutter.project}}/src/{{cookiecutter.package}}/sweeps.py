@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from .checkpoint.files import write_text
 from .errors import RunError, first_line
 from .tracking import check_tracking_uri
 
@@ -69,9 +70,7 @@ class Job:
             log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
         if os.environ.get("RANK", "0") == "0":  # a job of several SLURM tasks has one result
-            from . import checkpoints  # torch, loaded by the job already; not by the sweep's launcher
-
-            checkpoints.write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.key, **result}))
+            write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.key, **result}))
         return result.get(cfg.optimized_metric)
 
 
@@ -126,9 +125,7 @@ class SweepCallback(Callback):
             log.warning(f"MLflow failed ({first_line(error)}); the sweep runs without a parent run")
             return
         self._parent_run_id = run.info.run_id
-        from . import checkpoints  # torch: only once a parent run is open
-
-        checkpoints.write_text(sweep_dir / PARENT_RUN_FILE, self._parent_run_id)
+        write_text(sweep_dir / PARENT_RUN_FILE, self._parent_run_id)
         atexit.register(self._end_parent, "KILLED")
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._stop)

@@ -140,6 +140,11 @@ class Tracker:
         if self._sender is not None:
             self._sender.flush()
 
+    def log_checkpoint(self, loss: float, step: int) -> None:
+        """What a checkpoint proves, `checkpoint/loss`, handed over before the process can die."""
+        self.log_metrics({"checkpoint/loss": loss}, step)
+        self.flush()
+
     def finish(self, status: str) -> None:
         """Ends the run as FINISHED, KILLED or FAILED, after the metrics still queued.
 

@@ -4,13 +4,13 @@ process when the sender dies; read by `python -m <package>.tracking replay`. JSO
 writing it needs neither MLflow nor torch.
 """
 
-import errno
 import json
 import logging
 import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
+
+from .checkpoint.files import NotPlain, open_plain
 
 log = logging.getLogger(__name__)
 
@@ -25,35 +25,18 @@ def spill(path: Path, rows: Iterable[dict]) -> Path:
     or, where something other than a plain file of its own stands there (a link, which the write
     would follow out of the folder), a file beside it named after this process."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = _open_plain(path)
-    if descriptor is None:
-        log.warning(f"{path} is not a plain file of this run's; not writing through it")
+    try:
+        descriptor = open_plain(path, os.O_RDWR | os.O_APPEND)
+    except NotPlain as refused:
+        log.warning(f"{refused.strerror}, not a plain file of this run's; not writing through it")
         path = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
-        if (descriptor := _open_plain(path)) is None:
-            raise OSError(errno.EEXIST, "a link or another file stands at its name and at the one beside it", str(path))
+        descriptor = open_plain(path, os.O_RDWR | os.O_APPEND)  # NotPlain again: an OSError for the caller
     with open(descriptor, "a") as file:
         # A writer killed mid-line (the sender, say) leaves a line without its end: start afresh.
         if file.tell() > 0 and os.pread(descriptor, 1, file.tell() - 1) != b"\n":
             file.write("\n")
         file.writelines(json.dumps(row) + "\n" for row in rows)
     return path
-
-
-def _open_plain(path: Path) -> int | None:
-    """A descriptor to append to `path`, created if need be; None where a link or anything but a
-    plain file of one name stands there: writing to it would change another file."""
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        descriptor = os.open(path, flags, 0o644)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return None
-        raise
-    found = os.fstat(descriptor)
-    if stat.S_ISREG(found.st_mode) and found.st_nlink == 1:
-        return descriptor
-    os.close(descriptor)
-    return None
 
 
 def replay_command(spill_file: Path, tracking_uri: str = "<uri>") -> str:

@@ -1,7 +1,7 @@
 """Checkpoints written in the background (`checkpoint.async_save`): the training thread only
-copies the state into CPU memory that training does not touch, and one writer thread writes that
-copy (checkpoints.save: write, seal, fsync, rename, `latest`, retention) and logs its
-`checkpoint/loss`, in that order, while training goes on.
+copies the state into CPU memory that training does not touch, and a writer thread writes that
+copy while training goes on: rank 0's the one file, or every process's its shards (on a process
+group of their own: collective steps from two threads on one group would interleave).
 
 At most one write is in flight: the next save waits for it, and that is where its outcome, the
 file or the error, comes back to the run. The copy goes into buffers kept from one save to the
@@ -11,12 +11,12 @@ after the first: it stalls training for one memory copy of the state, not a writ
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from .devices import ACCELERATORS
+from ..devices import ACCELERATORS
 
 
 class Snapshot:
@@ -44,6 +44,10 @@ class Snapshot:
         return value  # numbers, strings, None: immutable
 
     def _copy_tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+        if isinstance(tensor, DTensor):  # this process's shard, copied, and described as the original
+            local = self._copy_tensor(tensor.to_local(), path)
+            placement = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
+            return DTensor.from_local(local, tensor.device_mesh, tensor.placements, **placement)
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             pinned = tensor.device.type in ACCELERATORS
@@ -60,14 +64,14 @@ class Writer:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._in_flight: Future | None = None
 
-    def start(self, write: Callable[[], Path]) -> None:
+    def start(self, write: Callable[[], Any]) -> None:
         if self._in_flight is not None:
             raise RuntimeError("a checkpoint write is already in flight; wait() for it first")
         self._in_flight = self._thread.submit(write)
 
-    def wait(self) -> Path | None:
-        """The path the write in flight wrote, once it has; None when none was in flight. What the
-        write raised (a SaveError: a full disk), this raises."""
+    def wait(self) -> Any:
+        """What the write in flight returned (the file, or the shards' checksums), once it has;
+        None when none was in flight. What the write raised (a SaveError: a full disk), this raises."""
         in_flight, self._in_flight = self._in_flight, None
         return None if in_flight is None else in_flight.result()
 

@@ -1,0 +1,14 @@
+"""The run's checkpoints, one owner for all of them. The recipe hands its parts to a
+`manager.Checkpointer` and calls it: restore, try_save, final; it holds the folder with `home.claim`.
+
+- manager.py: the Checkpointer: what is saved and restored, when, and in which format.
+- home.py: the run's folder: its lock, the checkpoints' names, `latest`, retention, set-aside.
+- onefile.py, sharded.py: the two formats, one file (single, ddp) and a folder of shards (fsdp).
+- schema.py: what a checkpoint of format 3 holds, checked at read, and its typed accessors.
+- resume.py: what `resume=` names, found and read.
+- compatibility.py: whether a checkpoint can continue this run; what a resume changes.
+- files.py: atomic writes, the checksum, the parallel verifier, the restricted loader.
+- background.py: the copy and the writer thread of `checkpoint.async_save`.
+
+Nothing is imported here: the MLflow sender process uses files.py without loading torch.
+"""

@@ -1,0 +1,256 @@
+"""The run's checkpoints, owned by one object the recipe hands its parts to: it restores them from
+what `resume=` names, saves them on schedule (in the background with `checkpoint.async_save`),
+and makes the last save, which must succeed. The recipe knows nothing of files, shards, seals or
+writer threads; which format a save takes is decided here, by the strategy, and nowhere else.
+"""
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from omegaconf import OmegaConf
+
+from ..config import Config
+from ..devices import describe
+from ..distributed import World
+from ..errors import CheckpointError, RunError, SaveError
+from ..optimizers import hyperparameters, keep_configured
+from ..precision import setting
+from ..provenance import library_versions
+from ..strategies import Single
+from . import compatibility, onefile
+from .background import Snapshot, Writer
+from .home import path_of, set_aside_newer
+from .resume import find, load
+from .schema import FORMAT_VERSION, SHARDED_PARTS, Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Checkpointer:
+    """Restores and saves `parts`, each saved under its name as its `state_dict()`, restored in
+    the order given: the model before the optimizer, whose state follows the parameters' device,
+    and the random state last, so that nothing after it draws.
+
+    `ready()` is asked before each save why the state must not be saved (it also measures what the
+    checkpoint proves); `saved(step, state)` is told of each checkpoint once it is on disk, from
+    the thread that wrote it. Leaving the `with` block waits for a write still in flight, so that
+    no run ends, or releases its checkpoint folder, while one of its files is half written.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        strategy: Single,
+        parts: dict[str, Stateful],
+        ready: Callable[[], list[str]],
+        saved: Callable[[int, dict], None],
+    ) -> None:
+        self.cfg, self.world, self.strategy, self.parts = cfg, world, strategy, parts
+        self.home, self.settings = Path(cfg.checkpoint.dir), cfg.checkpoint
+        self._ready, self._on_saved = ready, saved
+        self.newest: Path | None = None  # this run's newest checkpoint on disk, or the one it resumed from
+        self.failed: SaveError | None = None
+        # In the background, the one file is rank 0's to write; shards, every process's.
+        self._background = self.settings.async_save
+        writes = self._background and (world.is_main or strategy.shards)
+        self._snapshot = Snapshot() if writes else None
+        self._writer = Writer() if writes else None
+        self._group = None
+        if self._background and strategy.shards:
+            from . import sharded  # torch.distributed.checkpoint: 1 s of start-up a one-file run never uses
+
+            self._group = sharded.background_group(cfg.strategy.timeout_s)
+        self._in_flight: int | None = None  # the step being written; known to every process, which all
+        # collect the write's outcome at the same point
+        self._pending = None  # a sharded save in flight (sharded.Pending)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
+        if self._writer is None:
+            return
+        try:  # normally collected by `final`; after an error, the file still completes
+            self._writer.wait()
+        except Exception as failure:
+            if error is None and not isinstance(failure, SaveError):
+                raise
+            log.warning(f"the checkpoint write in flight failed: {failure}")  # the run's own error comes next
+        finally:
+            self._writer.close()
+
+    def path_of(self, step: int) -> Path:
+        return path_of(self.home, step, folder=self.strategy.shards)
+
+    def restore(self, resume: str | None) -> Checkpoint | None:
+        """The checkpoint `resume=` names, as rank 0 finds (and, with `checkpoint.verify`, checks)
+        it, loaded into the parts on every process after checking that it can belong to them; the
+        config's hyperparameters stay this run's. None: a fresh start."""
+        found = None
+
+        def locate() -> Path | None:
+            nonlocal found
+            found = find(resume, self.home, self.settings.verify)
+            return found and found.path
+
+        path = self.world.on_main(locate)
+        if path is None:
+            return None
+        saved = found if self.world.is_main else load(path, verify=False)
+        optimizer, scheduler = self.parts["optimizer"], self.parts["scheduler"]
+        compatibility.check_fits(saved, self.cfg, self.parts["model"])
+        compatibility.report_changes(saved, self.cfg, self.world.device)
+        configured = hyperparameters(optimizer)
+        self._load(saved)
+        saved_lr = optimizer.param_groups[0]["lr"]
+        keep_configured(optimizer, scheduler, configured)
+        compatibility.report_lr_move(saved, saved_lr, optimizer.param_groups[0]["lr"], self.cfg)
+        self.newest = saved.path
+        self.world.on_main(lambda: self._set_aside_newer(saved.step))
+        return saved
+
+    def _load(self, saved: Checkpoint) -> None:
+        """A sharded checkpoint loads on any number of processes; a one-file checkpoint into a
+        sharded model too."""
+        in_shards = SHARDED_PARTS if saved.sharded or self.strategy.shards else ()
+        if in_shards:
+            from . import sharded
+
+            sharded.load_into(self.parts["model"], self.parts["optimizer"], saved)
+        for name, part in self.parts.items():
+            if name in in_shards:
+                continue
+            try:
+                part.load_state_dict(saved.part(name))
+            except (KeyError, ValueError, TypeError, IndexError) as error:
+                raise CheckpointError(
+                    f"the checkpoint's {name} does not load ({error}); resume from another checkpoint, "
+                    f"or start a new run with name=<new name>"
+                ) from None
+
+    def _set_aside_newer(self, step: int) -> None:
+        if (folder := set_aside_newer(self.home, step)) is not None:
+            log.info(f"resuming from step {step}: the newer checkpoints of {self.home} are moved to {folder}")
+
+    def try_save(self, step: int) -> None:
+        """Saves (in the background: starts to); a save that fails warns once and leaves training
+        going, to try again next time."""
+        for attempt in (self._collect, lambda: self._save(step, background=True)):
+            try:
+                attempt()
+            except SaveError as error:
+                self._failed(error)
+
+    def final(self, step: int) -> None:
+        """The save at the end (or at a signal), which must succeed or the run fails; written
+        before this returns."""
+        self.on_disk()  # the write in flight, done: an earlier step's failure only warns
+        if self.newest == self.path_of(step):
+            return
+        try:
+            self._save(step, background=False)
+        except SaveError as error:
+            raise RunError(
+                f"{error}, so step {step} is not saved; {self.on_disk()}; free space or fix the folder, "
+                f"then continue with resume=last"
+            ) from None
+
+    def on_disk(self) -> str:
+        """Where the run stands on disk, once the write in flight is done: for messages."""
+        try:
+            self._collect()
+        except SaveError as error:
+            self._failed(error)
+        return f"the newest checkpoint on disk is {self.newest}" if self.newest else "no checkpoint is on disk"
+
+    def _save(self, step: int, background: bool) -> None:
+        self._refuse_unless_ready(step)
+        state = self._capture(step)  # on every process: the random state is gathered from all
+        background = background and self._background
+        if self.strategy.shards:
+            self._save_shards(state, background)
+        elif background:
+            if self._writer is not None:
+                snapshot = self._snapshot.take(state)
+                self._writer.start(lambda: self._write(snapshot))
+            self._in_flight = step
+        else:
+            self._saved(self.world.on_main(lambda: self._write(state)), step)
+
+    def _save_shards(self, state: dict, background: bool) -> None:
+        from . import sharded
+
+        model, optimizer, step = self.parts["model"], self.parts["optimizer"], state["step"]
+        if background:
+            writing = (self._snapshot, self._writer, self._group)
+            self._pending = sharded.begin(state, model, optimizer, self.home, self.world, writing)
+            self._in_flight = step
+            return
+        path = sharded.save(state, model, optimizer, self.home, self.settings.keep_last, self.world)
+        self._on_saved(step, state)
+        self._saved(path, step)
+
+    def _write(self, state: dict) -> Path:
+        """Rank 0: the one-file checkpoint, then its news; from the training thread or the writer's."""
+        path = onefile.save(state, self.home, self.settings.keep_last)
+        self._on_saved(state["step"], state)
+        return path
+
+    def _capture(self, step: int) -> dict:
+        """The parts' state as a checkpoint holds it (under strategy=fsdp, less the shards), with
+        the metadata of this run. Its tensors are the parts' own, not copies."""
+        in_shards = SHARDED_PARTS if self.strategy.shards else ()
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "device": {"type": self.world.device.type, "name": describe(self.world.device)},
+            "amp": setting(self.cfg.amp),
+            "versions": library_versions(),
+            **{name: part.state_dict() for name, part in self.parts.items() if name not in in_shards},
+        }
+
+    def _refuse_unless_ready(self, step: int) -> None:
+        """A RunError, which ends the run, when `ready()` names a reason: a model that no longer
+        computes numbers, saved, would become resume=last and push the good checkpoints out."""
+        if broken := self._ready():
+            raise RunError(
+                f"the model is no longer finite at step {step} ({', '.join(broken[:3])}"
+                f"{', ...' if len(broken) > 3 else ''}): nothing is saved; {self.on_disk()}; continue from it "
+                f"with resume=last and a lower optimizer.lr"
+            )
+
+    def _collect(self) -> None:
+        """The outcome of the write in flight, waited for, on every process."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        if self._pending is not None:
+            from . import sharded
+
+            pending, self._pending = self._pending, None
+            path = sharded.finish(pending, self._writer, self.home, self.settings.keep_last, self.world)
+            self._on_saved(step, pending.state)
+        else:
+            path = self.world.on_main(lambda: self._writer.wait())  # rank 0 has the writer
+        self._saved(path, step)
+
+    def _failed(self, error: SaveError) -> None:
+        if self.failed is None:
+            log.warning(f"{error}; training goes on and tries again at the next save; {self.on_disk()}")
+        self.failed = error
+
+    def _saved(self, path: Path, step: int) -> None:
+        self.newest = path
+        if self.failed is not None:
+            log.warning(f"saving works again: step {step} is saved")
+            self.failed = None

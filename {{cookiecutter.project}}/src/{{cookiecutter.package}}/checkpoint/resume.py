@@ -1,0 +1,73 @@
+"""What `resume=` names, found and read: a checkpoint of either format, checked before anyone
+uses it, or the newest one of a folder that is whole."""
+
+import logging
+from pathlib import Path
+
+from ..errors import CheckpointError, RunError
+from . import home as homes
+from . import onefile, schema
+from .schema import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def load(path: Path, verify: bool = True) -> Checkpoint:
+    """The checkpoint at `path` (a file, or a folder of shards), read onto the CPU without running
+    any code inside it, and checked. `verify=False` skips the checksums: for the processes of a job
+    whose rank 0 has checked the same files, and for checkpoint.verify=false."""
+    if path.is_dir():
+        from . import sharded  # torch.distributed.checkpoint (1 s to import) only where a folder is read
+
+        return Checkpoint(path, sharded.read(path, verify))
+    state = onefile.read(path, verify)
+    schema.check(path, state, sharded=False)
+    return Checkpoint(path, state)
+
+
+def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | None:
+    """What `resume=` names, loaded: None (start fresh), `last`, `auto` or a path.
+
+    `last` and `auto` take the newest checkpoint in `home` that loads; `last` fails when there is
+    none, `auto` starts fresh. A path names a checkpoint (a file, or a folder of shards), or a
+    folder to search the same way.
+    """
+    if resume is None:
+        return None
+    if resume in ("last", "auto"):
+        found = newest_valid(home, verify)
+        if found is None and homes.has_checkpoints(home):
+            raise RunError(
+                f"resume={resume}: {home} holds checkpoints, but none loads (see the warnings above); "
+                f"pass resume=<a checkpoint you trust>, or move them away to start fresh"
+            )
+        if found is None and resume == "last":
+            raise RunError(
+                f"resume=last found no valid checkpoint in {home}; train without resume first, "
+                f"or pass resume=auto to start fresh when there is none"
+            )
+        if found is None:
+            log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
+        return found
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir() and not (path / schema.STATE).exists():
+        found = newest_valid(path, verify)
+        if found is None:
+            raise RunError(
+                f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last"
+            )
+        return found
+    if path.exists():
+        return load(path, verify)
+    raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
+
+
+def newest_valid(home: Path, verify: bool = True) -> Checkpoint | None:
+    """The newest checkpoint in `home` that loads, falling back, with a warning, past damaged ones.
+    It goes by the step numbers in the names, not by the `latest` pointer."""
+    for _, path in sorted(homes.steps(home), reverse=True):
+        try:
+            return load(path, verify)
+        except CheckpointError as error:
+            log.warning(f"skipping a checkpoint: {error}; falling back to an older one")
+    return None

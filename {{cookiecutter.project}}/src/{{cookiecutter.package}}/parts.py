@@ -1,0 +1,57 @@
+"""What a training step touches and a checkpoint saves: the parts of a run, assembled by the
+recipe (train.py) in its order, and read by validation and the continuity check."""
+
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader
+from torchmetrics import Metric
+
+from .config import AmpConfig, Config, TrainerConfig
+from .data import Data, Position
+from .devices import to_device
+from .distributed import World
+from .precision import Scaler
+from .probe import Probe
+from .seeding import RandomState
+from .strategies import Single
+from .tracking import Tracker
+
+
+@dataclass
+class Run:
+    cfg: Config
+    world: World  # this process among the job's, and its device
+    strategy: Single  # how the model is spread over the processes
+    data: Data
+    val_loader: DataLoader  # this process's share of the validation set
+    model: nn.Module  # what is saved, evaluated and audited (under fsdp, sharded in place)
+    wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
+    criterion: nn.Module
+    metrics: dict[str, Metric]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Scaler
+    position: Position  # in the training data
+    probe: Probe
+    tracker: Tracker
+    rng: RandomState
+    step: int = 0  # optimizer steps taken
+    # The settings every step reads, copied out of `cfg` as plain objects: a step read about
+    # twenty of them from the DictConfig, at several microseconds each (bench/step_overhead.py).
+    trainer: TrainerConfig = field(init=False)
+    amp: AmpConfig = field(init=False)
+    non_blocking: bool = field(init=False)  # device.non_blocking
+
+    def __post_init__(self) -> None:
+        self.trainer, self.amp = OmegaConf.to_object(self.cfg.trainer), OmegaConf.to_object(self.cfg.amp)
+        self.non_blocking = self.cfg.device.non_blocking
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return to_device(tensor, self.device, self.non_blocking, self.trainer.channels_last)

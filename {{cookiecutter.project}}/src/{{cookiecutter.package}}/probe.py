@@ -1,0 +1,40 @@
+"""The continuity probe: a fixed set of validation samples, whose loss each checkpoint stores
+(`checkpoint/loss`) and a resume measures again (continuity.py)."""
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from .config import DeviceConfig
+from .data import evaluation_loader
+from .errors import RunError
+
+
+class Probe:
+    """A fixed `Subset` of the validation set, and its loss at the last save. A checkpoint part
+    (state_dict, load_state_dict): a resume measures the same samples the save measured."""
+
+    def __init__(self, val: Dataset, size: int) -> None:
+        self.val = val
+        self.indices = torch.arange(min(size, len(val)))
+        self.loss: float | None = None  # at the last save
+        self.saved_loss: float | None = None  # in the checkpoint this run resumed from
+
+    def loader(self, device: DeviceConfig) -> DataLoader:
+        """The probe's samples in one batch, whole in every process: its loss at save and at
+        resume is computed the same way whatever the batch size and the number of processes."""
+        return evaluation_loader(Subset(self.val, self.indices.tolist()), len(self.indices), 0, device)
+
+    def state_dict(self) -> dict:
+        return {"indices": self.indices, "loss": self.loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        indices, loss = state["indices"], state["loss"]
+        if not torch.is_tensor(indices) or not isinstance(loss, float):
+            raise ValueError("a probe is a tensor of indices and a float loss")
+        if len(indices) and int(indices.max()) >= len(self.val):
+            raise RunError(
+                f"the checkpoint's continuity probe uses validation sample {int(indices.max())}, but this data has "
+                f"{len(self.val)}; resume with the data settings it was trained with, or start a new run with "
+                f"name=<new name>"
+            )
+        self.indices, self.saved_loss = indices, loss
