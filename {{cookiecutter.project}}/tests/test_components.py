@@ -134,10 +134,10 @@ def runtime(group: str) -> dict:
         ("optimizer.lr=-1", "optimizer (torch.optim.AdamW): Invalid learning rate: -1"),
         ("model.hidden_sizes=[0]", f"model ({PACKAGE}.models.MLP): hidden_sizes=[0] must hold sizes of at least 1"),
         ("model.dropout=1.5", f"model ({PACKAGE}.models.MLP): dropout probability has to be between 0 and 1"),
-        ("scheduler.min_lr_ratio=2", f"scheduler ({PACKAGE}.optimizers.cosine): min_lr_ratio=2 must be from 0 to 1"),
+        ("scheduler.min_lr_ratio=2", f"scheduler ({PACKAGE}.schedulers.cosine): min_lr_ratio=2 must be from 0 to 1"),
         (
             "scheduler.warmup_steps=-10",
-            f"scheduler ({PACKAGE}.optimizers.cosine): warmup_steps=-10 must not be negative",
+            f"scheduler ({PACKAGE}.schedulers.cosine): warmup_steps=-10 must not be negative",
         ),
         ("data.val_fraction=1.0", f"data ({PACKAGE}.datasets.digits): val_fraction=1.0 must be above 0 and below 1"),
     ],

@@ -29,7 +29,7 @@ def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
     assert cfg.amp.dtype in ("bfloat16", "float16")
     assert cfg.optimizer._target_ == {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}[choice[2]]
     assert isinstance(cfg.optimizer.lr, float)
-    assert cfg.scheduler._target_.endswith(f".optimizers.{choice[3]}")
+    assert cfg.scheduler._target_.endswith(f".schedulers.{choice[3]}")
 
 
 def test_amp_off_is_the_string_option_not_a_yaml_boolean(make_cfg):

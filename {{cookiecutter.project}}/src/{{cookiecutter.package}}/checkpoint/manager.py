@@ -15,9 +15,9 @@ from ..config import Config
 from ..devices import describe
 from ..distributed import World
 from ..errors import CheckpointError, RunError, SaveError
-from ..optimizers import hyperparameters, keep_configured
 from ..precision import setting
 from ..provenance import library_versions
+from ..schedulers import hyperparameters, keep_configured
 from ..strategies import Single
 from . import compatibility, onefile
 from .background import Snapshot, Writer
