@@ -1,6 +1,7 @@
 """The default bake is a working project: it installs, passes its own suite, lints clean, and
 trains and resumes its second model from the command line."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -48,6 +49,15 @@ def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str])
         )
 
 
+def in_parallel() -> list[str]:
+    """pytest-xdist's options for the bake's suite: its tests wait for a subprocess most of the
+    time, and each keeps to folders, stores and ports of its own (ports of the kernel's choosing),
+    so two or more run side by side; work stealing keeps the workers busy to the end."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(min(4, max(2, os.cpu_count() or 2))), "--dist", "worksteal"]
+
+
 @pytest.mark.slow
 def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     bake: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -57,7 +67,9 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
     run_shown(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--all"], project, capsys
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--all", *in_parallel()],
+        project,
+        capsys,
     )
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)

@@ -113,21 +113,37 @@ def run_readme(readme: str, cwd: Path) -> list[str]:
     return ran
 
 
-# `mlflow ui` serves until stopped: here it is started, asked for the page a user opens, and
-# stopped with its workers (its own process group). A shell function, so that the README's line
-# runs as written.
+# `mlflow ui` serves until stopped: here it is started on a port of the kernel's choosing (port 0:
+# no clash with another server on this machine), asked for the page a user opens, and stopped with
+# its workers (its own process group). Every wait is for the server, never for a time: for the line
+# that says where it listens, then for a worker to take the connection (refused until one does),
+# each ended by the server's own end. A shell function, so that the README's line runs as written.
 SERVER_CHECK = r"""
+PROBE='
+import sys, urllib.error, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1])
+except urllib.error.HTTPError:
+    raise
+except OSError:
+    sys.exit(3)  # no worker listens yet
+'
 mlflow() {
   if [ "$1" != ui ]; then command mlflow "$@"; return; fi
-  setsid mlflow "$@" --port 5055 >mlflow-ui.log 2>&1 &
-  local server=$! up=1
-  for _ in $(seq 240); do
-    if python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/')" 2>/dev/null
-    then up=0; break; fi
-    sleep 0.5
+  setsid mlflow "$@" --port 0 >mlflow-ui.log 2>&1 &
+  local server=$! url= answer=3
+  until url=$(grep -o 'Uvicorn running on http://[0-9.]*:[0-9]*' mlflow-ui.log | grep -o 'http://.*'); do
+    kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
+    sleep 0.1
+  done
+  while [ $answer = 3 ]; do
+    kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
+    answer=0
+    python -c "$PROBE" "$url/" || answer=$?
+    if [ $answer = 3 ]; then sleep 0.2; fi
   done
   kill -- -$server; wait $server || true
-  [ $up = 0 ] || { cat mlflow-ui.log; return 1; }
+  [ $answer = 0 ] || { cat mlflow-ui.log; return 1; }
 }
 """
 

@@ -1,9 +1,13 @@
 """Shared fixtures: configs composed from the real configs/ folder, pointed at temporary stores."""
 
+import os
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,7 +90,7 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def start(project: Path, *overrides: str, **popen) -> subprocess.Popen:
+def start(project: Path, *overrides: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
     """`python run.py ...` in `project`, as a person would type it."""
     return subprocess.Popen(
         [sys.executable, "run.py", *overrides],
@@ -94,6 +98,7 @@ def start(project: Path, *overrides: str, **popen) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
         **popen,
     )
 
@@ -104,33 +109,119 @@ def run_cli(project: Path, *overrides: str, timeout: float = 180) -> subprocess.
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def wait_for_a_save(home, process: subprocess.Popen, timeout: float = 120) -> None:
-    """Returns once `process` has written a checkpoint: it is past start-up and training."""
+def wait_for_a_save(home, process: subprocess.Popen) -> None:
+    """Returns once `process` has written a checkpoint: it is past start-up and training. Waits for
+    that, or for the process to end (a failure, with its output), however long a busy machine takes."""
     pointer = home / "latest"
     before = pointer.read_text() if pointer.exists() else None
-    deadline = time.monotonic() + timeout
     while not pointer.exists() or pointer.read_text() == before:
         assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.01)
 
 
+def wait_for_exit(pid: int) -> None:
+    """Returns once `pid` (any process, not only a child) has ended: the kernel says so on a pidfd."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([pidfd], [], [])
+    finally:
+        os.close(pidfd)
+
+
+def signal_pending(pid: int, signal_number: int) -> bool:
+    """Whether `signal_number` waits, undelivered, for `pid` (a stopped process keeps it so); False
+    once `pid` is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+    except FileNotFoundError:
+        return False
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return bool(pending & (1 << (signal_number - 1)))
+
+
+GATES = Path(__file__).resolve().parent / "gates"
+
+
+class SaveGate:
+    """Holds a run at its first checkpoint commit, so that a test acts at a known step instead of
+    racing the run. The processes started with `env` import tests/gates/sitecustomize.py: the first
+    one to commit a checkpoint (the rename of step_N.pt, or of the folder step_N, from its
+    temporary; with `match`, only a commit whose path holds that text) tells this gate its pid and
+    waits, in the thread that commits, until the gate is released; `when="before"` holds it before
+    the rename, with the save still in progress."""
+
+    def __init__(self, path: Path, when: str = "after", match: str = "") -> None:
+        self.path = path
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(str(self.path))
+        self._listener.listen()
+        self._held: socket.socket | None = None
+        pythonpath = os.pathsep.join(filter(None, [str(GATES), os.environ.get("PYTHONPATH")]))
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": pythonpath,
+            "TEST_SAVE_GATE": str(self.path),
+            "TEST_SAVE_GATE_WHEN": when,
+            "TEST_SAVE_GATE_MATCH": match,
+        }
+
+    def wait(self, process: subprocess.Popen) -> int:
+        """The pid of the process held at the gate, once one is; fails if `process` ends first."""
+        pidfd = os.pidfd_open(process.pid)
+        try:
+            ready, _, _ = select.select([self._listener, pidfd], [], [])
+        finally:
+            os.close(pidfd)
+        assert self._listener in ready, process.communicate()
+        self._held, _ = self._listener.accept()
+        with self._held.makefile() as told:
+            return int(told.readline())
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.close()  # the held process reads the end of the connection and goes on
+            self._held = None
+
+    def close(self) -> None:
+        self.release()
+        self._listener.close()
+
+
+@pytest.fixture
+def save_gate(tmp_path: Path) -> Iterator[Callable[..., SaveGate]]:
+    """save_gate(when="after", match=""): a SaveGate in this test's folder, closed when the test ends."""
+    gates: list[SaveGate] = []
+
+    def make(when: str = "after", match: str = "") -> SaveGate:
+        gates.append(SaveGate(tmp_path / f"gate{len(gates)}.sock", when, match))
+        return gates[-1]
+
+    yield make
+    for gate in gates:
+        gate.close()
+
+
 HOLDER = """
-import os, pathlib, sys, time
+import os, pathlib, sys
 from {{cookiecutter.package}}.checkpoint.home import claim
 with claim(pathlib.Path(sys.argv[1])):
     if sys.argv[2] == "fork" and os.fork() == 0:  # a child, as a data-loader worker would be
-        time.sleep(10)
+        sys.stdin.read()  # lives on until the test lets go of the holder's stdin
         os._exit(0)
     print("held", flush=True)
-    time.sleep(60)
+    sys.stdin.read()  # holds until killed, or until the test lets go of its stdin
 """
 
 
 def hold(home: Path, fork: bool = False) -> subprocess.Popen:
     """Another process that claims `home` (and, with `fork`, forks a child that lives on)."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(home), "fork" if fork else "-"], stdout=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-c", HOLDER, str(home), "fork" if fork else "-"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     return holder

@@ -230,14 +230,18 @@ FILL_THE_DISK_MID_RUN = """
 set -u
 mount -t tmpfs -o size=8m tmpfs "$DISK"
 "$PYTHON" run.py checkpoint.dir="$DISK/demo" trainer.max_steps=100000 checkpoint.every_n_steps=20 \\
-    mlflow.enabled=false &
+    mlflow.enabled=false >trainer.out 2>trainer.err &
 trainer=$!
-while [ ! -e "$DISK/demo/step_00000020.pt" ]; do sleep 0.02; done
+# Each wait is for what the trainer does (or for its end), never for a time.
+while [ ! -e "$DISK/demo/step_00000020.pt" ] && kill -0 $trainer 2>/dev/null; do sleep 0.02; done
 dd if=/dev/zero of="$DISK/filler" bs=64k 2>/dev/null
-sleep 3
+until grep -q "No space left on device" trainer.out trainer.err || ! kill -0 $trainer 2>/dev/null; do sleep 0.02; done
 kill -TERM $trainer
 wait $trainer
-echo "exit $?"
+status=$?
+cat trainer.out
+cat trainer.err >&2
+echo "exit $status"
 ls "$DISK/demo"
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, run_cli, wait_for_a_save
+from conftest import losses, run_cli, signal_pending, wait_for_a_save, wait_for_exit
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}} import distributed, train
@@ -103,13 +103,18 @@ CPU = ["device=cpu", "device.cpu_threads=1"]
 
 
 def torchrun(
-    project: Path, *overrides: str, processes: int = 2, device: list[str] = CPU, strategy: str = "ddp"
+    project: Path,
+    *overrides: str,
+    processes: int = 2,
+    device: list[str] = CPU,
+    strategy: str = "ddp",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node=2 run.py strategy=ddp device=cpu ...` in `project`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "run.py"]
     settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
     return subprocess.Popen(
-        [*command, *settings], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, *settings], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
 
@@ -129,20 +134,22 @@ def only_run(client: MlflowClient, name: str):
 
 
 def ranks(process: subprocess.Popen) -> dict[int, int]:
-    """torchrun's workers: {rank: pid}."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    """torchrun's workers: {rank: pid}, once both have started (or a failure, if torchrun ends)."""
+    while True:
+        assert process.poll() is None, process.communicate()
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
         found = {}
         for pid in map(int, children):
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as environ:
+                    variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+            except FileNotFoundError:  # a child that ended meanwhile
+                continue
             if b"RANK" in variables:
                 found[int(variables[b"RANK"])] = pid
         if len(found) == 2:
             return found
         time.sleep(0.1)
-    raise AssertionError("torchrun's workers did not start")
 
 
 @slow
@@ -168,14 +175,27 @@ def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
 
 @slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy):
+def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy, save_gate):
     """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
     steps = ["trainer.max_steps=70", "checkpoint.every_n_steps=7"]
     finished(torchrun(project, "name=unbroken", *steps, strategy=strategy))
 
-    process = torchrun(project, "name=broken", *steps, strategy=strategy)
-    wait_for_a_save(project / "checkpoints" / "broken", process)
+    # Held at its first save (step 7; training goes no further than its next save, which waits for
+    # this one), the job is stopped, torchrun told, and only continued once torchrun has passed the
+    # SIGTERM on to both ranks: the stop lands before step 70 however slow this machine is.
+    gate = save_gate()
+    process = torchrun(project, "name=broken", *steps, strategy=strategy, env=gate.env)
+    gate.wait(process)
+    workers = ranks(process).values()
+    stop(workers)
     process.send_signal(signal.SIGTERM)
+    for pid in workers:
+        while not signal_pending(pid, signal.SIGTERM):
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.01)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    gate.release()
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
     saved = newest_valid(project / "checkpoints" / "broken")[1]
@@ -228,11 +248,21 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     big = ["model.hidden_sizes=[2048,2048]", "trainer.max_steps=100000", "checkpoint.every_n_steps=5"]
     process = torchrun(project, *big, strategy=strategy)
     wait_for_a_save(home, process)
-    pid = ranks(process)[victim]
-    deadline = time.monotonic() + 120
-    while not (in_progress := [path for path in home.iterdir() if path.suffix == ".tmp"]):
-        assert time.monotonic() < deadline and process.poll() is None, "no save was caught in progress"
-    os.kill(pid, signal.SIGKILL)
+    workers = ranks(process)
+    while True:  # a save caught in progress, and checked to be so with both ranks stopped
+        assert process.poll() is None, "no save was caught in progress"
+        in_progress = [path for path in home.iterdir() if path.name.startswith("step_") and path.suffix == ".tmp"]
+        if not in_progress:
+            continue
+        stop(workers.values())
+        if saving(in_progress[0]):
+            break
+        for pid in workers.values():
+            os.kill(pid, signal.SIGCONT)
+    os.kill(workers[victim], signal.SIGKILL)
+    for rank, pid in workers.items():
+        if rank != victim:
+            os.kill(pid, signal.SIGCONT)
     process.communicate(timeout=120)
     assert process.returncode != 0
     newest = newest_valid(home)[1]
@@ -246,6 +276,26 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     assert not any(path.suffix == ".tmp" for path in home.iterdir())
 
 
+def stop(pids) -> None:
+    """SIGSTOP to each of `pids`, returning once each has stopped (the signal takes effect a moment
+    after it is sent: until then the process runs on, and takes any other signal at once)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            time.sleep(0.001)
+
+
+def saving(temporary: Path) -> bool:
+    """Whether the save writing `temporary` is still under way: not renamed yet and, for the folder
+    of a sharded save, with no DCP metadata yet (rank 0 writes it only once every rank has written
+    its shards, and the save completes after one more step that needs every rank)."""
+    try:
+        return temporary.exists() and (temporary.is_file() or not (temporary / ".metadata").exists())
+    except OSError:  # removed meanwhile
+        return False
+
+
 @slow
 def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_traceback(project):
     home = project / "checkpoints" / "demo"
@@ -256,10 +306,7 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
     os.kill(process.pid, signal.SIGSTOP)
     try:
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not exited(survivor):
-            assert time.monotonic() < deadline, "rank 0 did not stop after rank 1 died"
-            time.sleep(0.05)
+        wait_for_exit(survivor)  # rank 0 stops by itself after rank 1 died
     finally:
         os.kill(process.pid, signal.SIGCONT)
     _, stderr = process.communicate(timeout=120)
@@ -294,15 +341,6 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
 def test_only_a_collective_step_whose_peer_went_away_is_said_as_such(raised, said):
     """Anything else, a gloo failure of this process's own included, keeps its traceback."""
     assert distributed.peer_lost(raised, 1800) == said
-
-
-def exited(pid: int) -> bool:
-    """Whether `pid` has ended (a zombie its stopped parent has not reaped counts)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @slow

@@ -2,10 +2,10 @@
 away mid-run costs a warning, not the run."""
 
 import json
-import socket
+import re
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,32 +18,36 @@ from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 pytestmark = pytest.mark.slow
 
 
+LISTENING = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
 class Server:
-    """`mlflow server` with a sqlite backend in a temporary folder, started and stopped by tests."""
+    """`mlflow server` with a sqlite backend in a temporary folder, started and stopped by tests.
+    It listens on a port of the kernel's choosing (port 0: no clash with anything else running)
+    and is taken to be up once it says where; each start may get another port, so `uri` changes."""
 
     def __init__(self, folder: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.folder, self.uri, self.process = folder, f"http://127.0.0.1:{self.port}", None
+        self.folder, self.uri, self.process = folder, None, None
 
     def start(self) -> None:
+        self.uri = None
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", "0",
              "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
              "--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                assert self.process.poll() is None, "mlflow server exited"
-                assert time.monotonic() < deadline, "mlflow server did not come up"
-                time.sleep(0.5)
+        said: list[str] = []
+        for line in self.process.stdout:  # until it says where it listens, or ends
+            said.append(line)
+            if found := LISTENING.search(line):
+                self.uri = found[1]
+                break
+        assert self.uri is not None, "mlflow server exited:\n" + "".join(said)
+        # Read on, so that its output never fills the pipe and stalls it.
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+        with urllib.request.urlopen(f"{self.uri}/health") as response:
+            assert response.status == 200
 
     def stop(self) -> None:
         self.process.terminate()
@@ -72,15 +76,18 @@ def test_a_run_logs_to_a_real_server_over_http(project, server):
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
 
 
-def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_metrics_and_ends_it(project, server):
+def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_metrics_and_ends_it(
+    project, server, save_gate
+):
     home = project / "checkpoints" / "demo"
+    gate = save_gate()  # the run waits at its first save while the server stops: it is mid-run, however fast
     process = start(
-        project, f"mlflow.tracking_uri={server.uri}", "trainer.max_steps=4000", "checkpoint.every_n_steps=50"
-    )
-    while not (home / "latest").exists():
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.05)
+        project, f"mlflow.tracking_uri={server.uri}", "trainer.max_steps=4000", "checkpoint.every_n_steps=50",
+        env=gate.env,
+    )  # fmt: skip
+    gate.wait(process)
     server.stop()
+    gate.release()
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     output = stdout + stderr

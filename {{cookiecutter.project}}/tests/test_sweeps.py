@@ -1,13 +1,14 @@
 """Multirun sweeps: a parent MLflow run with a child per job, a summary, jobs that fail alone,
 and sweeps that resume job by job."""
 
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, start
+from conftest import PROJECT, run_cli, start
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job
@@ -69,8 +70,19 @@ def test_a_job_trains_in_its_own_home_and_child_run_and_returns_its_optimized_me
     assert (tmp_path / RESULT_FILE).exists()
 
 
-def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(project):
-    check_sweep(project, run_cli(project, *SWEEP, timeout=600))
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """The 2x2 sweep in one process, run once for this module: checked by the test below, and the
+    reference that an interrupted sweep must reproduce. Its project folder is its own (as the
+    `project` fixture's), so no other test's runs mix with it."""
+    project = tmp_path_factory.mktemp("swept")
+    shutil.copy(PROJECT / "run.py", project / "run.py")
+    shutil.copytree(PROJECT / "configs", project / "configs")
+    return project, run_cli(project, *SWEEP, timeout=600)
+
+
+def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(swept):
+    check_sweep(*swept)
 
 
 def test_a_2x2_sweep_in_worker_processes_makes_four_children_under_one_parent(project):
@@ -99,15 +111,16 @@ def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
     assert "| trainer.grad_accum_steps=0,trainer.max_steps=10 | FAILED " in table and "must be at least 1" in table
 
 
-def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_same_losses(project):
-    reference = check_sweep(project, run_cli(project, *SWEEP, "name=reference", timeout=600), "reference")
+def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_same_losses(project, swept, save_gate):
+    reference = check_sweep(*swept)
 
-    process = start(project, *SWEEP, "name=interrupted")
-    second_job = project / "checkpoints" / "interrupted" / LAUNCHED[1]
-    while not (second_job / "latest").exists():  # the first job is done, the second has saved
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
+    # Held at the second job's first save (the first job done), so the SIGTERM lands in that job
+    # however slow this machine is: the job cannot finish, nor the third start, before it.
+    gate = save_gate(match=f"/{LAUNCHED[1]}/")
+    process = start(project, *SWEEP, "name=interrupted", env=gate.env)
+    gate.wait(process)
+    process.send_signal(signal.SIGTERM)  # its handler runs before the job's next step
+    gate.release()
     process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM
     _, interrupted_parent, started = sweep_runs(project, "interrupted")
@@ -135,7 +148,7 @@ def sweep_runs_latest(client: MlflowClient, experiment: str) -> tuple:
 
 
 PAUSE_BEFORE_SECOND_JOB = """
-import time
+import threading
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -145,7 +158,7 @@ class PauseBeforeSecondJob(Callback):
     def on_job_start(self, config, **kwargs):
         if config.hydra.job.num == 1:
             Path("between jobs").touch()
-            time.sleep(120)
+            threading.Event().wait()  # until the test's SIGTERM, whose handler ends the sweep
 """
 
 

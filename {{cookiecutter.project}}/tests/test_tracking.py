@@ -165,41 +165,112 @@ class Store:
         self.open = threading.Event()
         self.open.set()
         self.failing = False
+        self.failures = 0  # calls refused while failing
         self.batches: list[list] = []
         self.ended: list[tuple] = []
+        self._called = threading.Condition()
 
     def log_batch(self, run_id, metrics):
         self.open.wait()
-        if self.failing:
-            raise ConnectionError("server went away")
-        self.batches.append(list(metrics))
+        with self._called:
+            self._called.notify_all()
+            if self.failing:
+                self.failures += 1
+                raise ConnectionError("server went away")
+            self.batches.append(list(metrics))
 
     def set_terminated(self, run_id, status, end_time):
         if self.failing:
             raise ConnectionError("server went away")
         self.ended.append((run_id, status, end_time))
 
+    def wait_for(self, condition) -> None:
+        """Returns once `condition()` holds, checked at each call that reaches the store."""
+        with self._called:
+            self._called.wait_for(condition)
+
+
+class SenderClock(queue.Queue):
+    """The sender's queue and its clock (time.monotonic in mlflow_store), in one: time passes only
+    when the test moves it, and only while the sender waits for it, so when the sender sends is the
+    test's to decide, not this machine's speed. A get(timeout=...) waits for an item, or for the
+    clock to pass the timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.sleeping = False  # the sender waits for the clock: all taken, a get with a timeout
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Moves the clock on once the sender waits for it (it has dealt with all it was given)."""
+        with self.not_empty:
+            self.not_full.wait_for(lambda: self.sleeping)
+            self.now += seconds
+            self.sleeping = False
+            self.not_empty.notify_all()
+
+    def _put(self, item) -> None:
+        super()._put(item)
+        self.sleeping = False
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        with self.not_empty:
+            end = None if timeout is None else self.now + timeout
+            while not self._qsize():
+                if end is not None and self.now >= end - 1e-9:  # end: now + (due - now), as floats
+                    raise queue.Empty
+                self.sleeping = end is not None
+                self.not_full.notify_all()  # to a test waiting for that in advance()
+                self.not_empty.wait()
+            self.sleeping = False
+            item = self._get()
+            self.not_full.notify_all()
+            return item
+
+
+def sender_clock(monkeypatch) -> SenderClock:
+    clock = SenderClock()
+
+    class Time:  # the time module, but for its monotonic clock
+        monotonic = staticmethod(clock.monotonic)
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.time", Time())
+    return clock
+
 
 def drain(
-    store, spill: Path, rows_by_step: dict[int, float], *, hold=None, end: dict | None = None, pause: float = 0
+    store,
+    spill: Path,
+    rows_by_step: dict[int, float],
+    *,
+    hold=None,
+    end: dict | None = None,
+    clock: SenderClock | None = None,
+    pause: float = 0,
 ) -> list[int]:
     """Runs the sender loop in a thread over metrics handed over one step at a time, `pause`
-    seconds apart, then ends it, with the end of the run when given; `hold` runs before the end.
-    Returns what the sender confirmed, in order."""
-    incoming: queue.Queue = queue.Queue()
+    seconds apart on the sender's `clock` when given, then ends it, with the end of the run when
+    given; `hold` runs before the end. Returns what the sender confirmed, in order."""
+    incoming: queue.Queue = clock if clock is not None else queue.Queue()
     confirmed: list[int] = []
     sender = threading.Thread(target=_Sender(store, "run", spill, incoming, confirm=confirmed.append).run)
     sender.start()
     for step, value in rows_by_step.items():
         incoming.put([["train/loss", value, 0, step]])
-        time.sleep(pause)
+        if pause:
+            clock.advance(pause)
     if hold is not None:
         hold()
     if end is not None:
         incoming.put({"end": end})
     incoming.put(None)
-    sender.join(timeout=60)
-    assert not sender.is_alive()
+    sender.join()
     return confirmed
 
 
@@ -223,30 +294,34 @@ def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_i
 
 def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(tmp_path, monkeypatch):
     monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 2.0)
-    store = Store()
+    clock, store = sender_clock(monkeypatch), Store()
 
     def first_call_arrives() -> None:  # due 2 s after the first metric: no end of the run needed
-        deadline = time.monotonic() + 30
-        while not store.batches and time.monotonic() < deadline:
-            time.sleep(0.01)
+        clock.advance(2.0)
+        store.wait_for(lambda: store.batches)
 
-    drain(store, tmp_path / "unsent.jsonl", {step: 1.0 for step in range(1, 51)}, hold=first_call_arrives, pause=0.002)
+    steps = {step: 1.0 for step in range(1, 51)}
+    drain(store, tmp_path / "unsent.jsonl", steps, hold=first_call_arrives, clock=clock, pause=0.002)
     assert [len(batch) for batch in store.batches] == [50], "one log_batch call for the 50 steps, not one each"
 
 
 def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.RETRY_SECONDS", 0.05)
     monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 0.01)
-    store = Store()
+    clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
 
     def outage_ends() -> None:
-        time.sleep(0.3)  # a few failed tries
+        for tries in (1, 2, 3):  # a few failed tries
+            clock.advance(0.1)  # past the send, then past each retry
+            store.wait_for(lambda tries=tries: store.failures >= tries)
         store.failing = False
-        time.sleep(0.3)  # a retry while nothing new arrives
+        clock.advance(0.1)
+        store.wait_for(lambda: store.batches)  # a retry while nothing new arrives
 
+    steps = {step: float(step) for step in range(1, 101)}
     with caplog.at_level(logging.WARNING):
-        drain(store, tmp_path / "unsent.jsonl", {step: float(step) for step in range(1, 101)}, hold=outage_ends)
+        drain(store, tmp_path / "unsent.jsonl", steps, hold=outage_ends, clock=clock)
     assert sorted(sent_steps(store)) == list(range(1, 101))
     assert caplog.text.count("MLflow is not taking metrics (server went away)") == 1
     assert "MLflow is taking metrics again" in caplog.text
@@ -294,8 +369,7 @@ def test_an_end_the_store_refused_is_recorded_even_when_every_metric_arrived(tmp
     spill = tmp_path / "unsent.jsonl"
 
     def store_goes_away() -> None:
-        while len(sent_steps(store)) < 3:
-            time.sleep(0.01)
+        store.wait_for(lambda: len(sent_steps(store)) >= 3)
         store.failing = True
 
     drain(
@@ -562,13 +636,16 @@ def test_the_training_process_leaves_mlflow_to_the_sender_and_imports_only_what_
     assert sorted(losses(client, run_id)) == list(range(1, 11)), "the sender delivered every step"
 
 
-def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(project):
-    process = start(project, "trainer.max_steps=8000", "trainer.log_every_n_steps=1")
+def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(project, save_gate):
+    gate = save_gate()  # the run waits at its first save until the store is gone: mid-run, however fast
+    process = start(project, "trainer.max_steps=8000", "trainer.log_every_n_steps=1", env=gate.env)
+    gate.wait(process)
     while not metrics_in(project / "mlflow.db"):  # the sender is connected: it keeps its connection
         assert process.poll() is None, process.communicate()
         time.sleep(0.05)
     (project / "mlflow.db").unlink()
     assert process.poll() is None, "deleted mid-run"
+    gate.release()
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     assert "finished at step 8000" in stdout + stderr
