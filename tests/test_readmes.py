@@ -47,7 +47,7 @@ REWRITES: list[tuple[str, str, str]] = [
 SKIPPED = {
     "make test": "this test runs inside it",
     "python -m pytest": "test_end_to_end runs the generated suite",
-    "hydra/launcher=slurm": "no SLURM here; test_sweeps composes the launcher's config",
+    "hydra/launcher=slurm": "needs a SLURM cluster: the bake's tests/test_slurm.py runs this line on one it starts",
     "tracking replay": "needs an outage's leftover file; the bake's test_tracking replays one",
 }
 

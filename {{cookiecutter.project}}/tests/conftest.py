@@ -33,10 +33,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that runs `python run.py` in a subprocess (the `project` fixture) is slow: each pays
-    the start-up of a fresh interpreter. Slow tests run with `--all`, or when `-m` picks them."""
+    the start-up of a fresh interpreter. Slow tests run with `--all`, or when `-m` picks them; the
+    SLURM tier only with `-m slurm`."""
     for item in items:
         if "project" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+    # The SLURM tier starts a cluster's daemons as root: only when asked for by name (-m slurm).
+    if "slurm" not in config.option.markexpr:
+        apart = [item for item in items if item.get_closest_marker("slurm")]
+        config.hook.pytest_deselected(items=apart)
+        items[:] = [item for item in items if not item.get_closest_marker("slurm")]
     if config.getoption("--all") or config.option.markexpr:
         return
     slow = [item for item in items if item.get_closest_marker("slow")]

@@ -109,6 +109,43 @@ def test_sigterm_saves_the_current_step_and_resume_last_continues_from_it(projec
     assert client.get_run(saved["tracker"]["run_id"]).info.status == "FINISHED"
 
 
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGUSR2], ids=lambda number: number.name)
+def test_a_signal_to_every_process_of_a_run_as_slurm_sends_it_stops_at_a_step_with_a_save_and_every_metric_logged(
+    project, save_gate, number
+):
+    """SLURM signals every process of a job: here the run, its data-loader workers and its MLflow
+    sender. The workers and the sender carry on; the run stops at a step boundary and saves."""
+    home, client = project / "checkpoints" / "demo", MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    gate = save_gate()  # held at its first save, with its workers and sender running
+    settings = [
+        "trainer.max_steps=100000",
+        "checkpoint.every_n_steps=50",
+        "trainer.log_every_n_steps=1",
+        "data.num_workers=2",
+    ]
+    process = start(project, *settings, env=gate.env)
+    gate.wait(process)
+    family = descendants(process.pid)
+    assert len(family) >= 3, "the run, two data-loader workers and the MLflow sender"
+    for pid in [process.pid, *family]:
+        os.kill(pid, number)
+    gate.release()
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + number, stderr
+    saved = newest_valid(home)[1]
+    assert f"stopped at step {saved['step']} by {number.name}" in stdout + stderr
+    assert "died" not in stdout + stderr and "exited unexpectedly" not in stdout + stderr
+    run_id = saved["tracker"]["run_id"]
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert sorted(losses(client, run_id)) == list(range(1, saved["step"] + 1)), "every step's loss reached MLflow"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, theirs, and so on."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [found for child in map(int, children) for found in (child, *descendants(child))]
+
+
 def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run(project):
     """Saves every 3 steps, so some kills land mid-save; every resume must find a valid checkpoint
     and every loss logged after it must equal the unbroken run's."""

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
+from .preemption import SIGNALS
 
 
 @dataclass
@@ -158,7 +159,11 @@ def end_with_the_run(parent: int | None, worker_id: int) -> None:
     """Torch's workers look for a dead parent every 5 s, and never if it died while they were
     starting up: one killed run could leave workers behind for good, holding its memory, its
     terminal's output and the pipes of whoever started it. On Linux the kernel now kills a worker
-    as its parent ends; a parent already gone by then ends the worker here."""
+    as its parent ends; a parent already gone by then ends the worker here. The signals that stop
+    a run at a step boundary (SLURM sends them to every process of a job) are the run's to take:
+    a worker they killed would fail the step they were meant to let finish."""
+    for number in SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:

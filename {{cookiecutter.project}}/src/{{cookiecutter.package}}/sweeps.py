@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from .checkpoint.files import write_text
 from .errors import RunError, first_line
+from .preemption import Stopped
 from .tracking import check_tracking_uri
 
 if TYPE_CHECKING:
@@ -63,15 +64,26 @@ class Job:
         cfg.mlflow.parent_run_id = self.parent_run_id
         try:
             result = {"status": "FINISHED", **train(cfg)}
+        except Stopped as stopped:
+            self._record({"status": "REQUEUED" if stopped.comeback else "KILLED", "error": stopped.received.name})
+            # A job requeued leaves submitit no result, so the sweep waits for its comeback; in a
+            # sweep of its own process the signal stops the sweep. Only a SLURM job that will not
+            # come back by itself returns, with its row, as a failing job does.
+            if stopped.comeback or os.environ.get("SUBMITIT_EXECUTOR") is None:
+                raise
+            return None
         except RunError as error:
             log.error(f"error: {error}")
             result = {"status": "FAILED", "error": str(error)}
         except Exception as error:  # a bug in one job must not cost the others their runs
             log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
+        self._record(result)
+        return result.get(cfg.optimized_metric)
+
+    def _record(self, result: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # a job of several SLURM tasks has one result
             write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.key, **result}))
-        return result.get(cfg.optimized_metric)
 
 
 def current_job() -> Job | None:

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from omegaconf import OmegaConf
 
 from .config import MlflowConfig, launched_as_main
 from .errors import RunError, first_line
+from .preemption import SIGNALS
 from .unsent import replay_command, spill, spill_path
 
 log = logging.getLogger(__name__)
@@ -364,6 +366,10 @@ def main() -> None:
     from .mlflow_store import drain, replay
 
     if arguments.command == "drain":
+        # SLURM signals every process of a job, this one too: it ends when the trainer closes its
+        # pipe, every metric delivered or kept (a SIGKILL is the backstop).
+        for number in SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
         drain()
         gc.freeze()  # the trainer waits for this exit: spare it shutdown's collections (run.py says more)
         return

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from . import components, continuity, distributed, strategies
+from . import components, continuity, distributed, restarts, strategies
 from .checkpoint.home import claim
 from .checkpoint.manager import Checkpointer
 from .checkpoint.schema import Checkpoint
@@ -29,7 +29,7 @@ from .evaluation import build_metrics, evaluate
 from .parts import Run
 from .precision import autocast, build_scaler
 from .precision import describe as describe_amp
-from .preemption import Preemption
+from .preemption import Preemption, Stopped
 from .probe import Probe
 from .progress import Progress, Throughput
 from .provenance import record, run_name
@@ -58,6 +58,7 @@ def train(cfg: Config) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
     metrics, the continuity verdict and the MLflow run id."""
     check_values(cfg)
+    cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
     cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
     # 1. This process's place among the job's and its device, first: a missing accelerator or a
     #    launch that does not match `strategy` fails here, before anything is built.
@@ -94,8 +95,13 @@ def train_in(cfg: Config, world: World) -> dict:
 
     newest = checkpoints.path_of(run.step)
     if status == "KILLED":
-        log.info(f"stopped at step {run.step} by {preemption.received.name}; saved {newest}; continue with resume=last")
-        raise SystemExit(128 + preemption.received)
+        # After the MLflow run is ended: a requeue has SLURM stop every process of the job.
+        comeback = world.on_main(lambda: restarts.requeue(preemption.received))
+        log.info(
+            f"stopped at step {run.step} by {preemption.received.name}; saved {newest}; "
+            f"{comeback or 'continue with resume=last'}"
+        )
+        raise Stopped(preemption.received, comeback)
     scores = ", ".join(f"{key} {value:.4f}" for key, value in result.items() if key.startswith("val/"))
     log.info(f"finished at step {run.step}: {scores}; checkpoint {newest}; MLflow run {result['run_id'] or 'off'}")
     return result

@@ -1,10 +1,11 @@
 """Test-only, and inert unless TEST_SAVE_GATE is set (tests/conftest.py, SaveGate): Python imports
 this file at start-up in the processes a test starts with the gate's environment.
 
-The first checkpoint commit of such a process (the rename of a temporary to step_N.pt, or to the
-folder step_N; with TEST_SAVE_GATE_MATCH, only one whose path holds that text) connects to the gate's socket, says its pid, and waits until the test lets go of
-the connection, after the rename or, with TEST_SAVE_GATE_WHEN=before, before it. Only the thread
-that commits waits; the test decides what the rest of the process may do meanwhile."""
+The first checkpoint commit among such processes (the rename of a temporary to step_N.pt, or to
+the folder step_N; with TEST_SAVE_GATE_MATCH, only one whose path holds that text) connects to the
+gate's socket, says its pid, and waits until the test lets go of the connection, after the rename
+or, with TEST_SAVE_GATE_WHEN=before, before it. Only the thread that commits waits; the test
+decides what the rest of the process may do meanwhile."""
 
 import os
 
@@ -23,6 +24,10 @@ if _GATE:
     def _wait_at_the_gate() -> None:
         global _waited
         _waited = True
+        try:  # the first process only, of all that share the gate (a job requeued runs again)
+            os.close(os.open(_GATE + ".taken", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
         with socket.socket(socket.AF_UNIX) as gate:
             gate.connect(_GATE)
             gate.sendall(f"{os.getpid()}\n".encode())
