@@ -154,10 +154,12 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_ends_once_the_write_has_
     make_cfg, checkpoint_dir, monkeypatch, caplog, storage_fails
 ):
     real_write, real_step = Checkpointer._write, recipe.train_step
-    step_failed = threading.Event()
+    step_failed, overlapped = threading.Event(), []
 
     def slow_write(checkpointer, saved: dict) -> Path:
-        step_failed.wait(timeout=60)  # the write is still in flight when the next step fails
+        # The write is still in flight when the next step fails. A write in step with training
+        # would wait for a step that never comes: the wait gives up, and the test fails below.
+        overlapped.append(step_failed.wait(timeout=60))
         if storage_fails:
             raise OSError("the storage went away")
         return real_write(checkpointer, saved)
@@ -172,6 +174,7 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_ends_once_the_write_has_
     monkeypatch.setattr(recipe, "train_step", failing_step)
     with pytest.raises(RuntimeError, match="a bug in a training step"):
         recipe.train(make_cfg(QUIET, *EVERY_5))
+    assert overlapped == [True], "training went on while the checkpoint was written"
     if storage_fails:
         assert "the checkpoint write in flight failed: the storage went away" in caplog.text
     else:
