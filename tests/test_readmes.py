@@ -49,6 +49,7 @@ SKIPPED = {
     "python -m pytest": "test_end_to_end runs the generated suite",
     "hydra/launcher=slurm": "needs a SLURM cluster: the bake's tests/test_slurm.py runs this line on one it starts",
     "tracking replay": "needs an outage's leftover file; the bake's test_tracking replays one",
+    "--nnodes=2": "needs two nodes: the bake's test_distributed runs this form with two torchruns on one machine",
 }
 
 

@@ -158,9 +158,10 @@ class SaveGate:
     one to commit a checkpoint (the rename of step_N.pt, or of the folder step_N, from its
     temporary; with `match`, only a commit whose path holds that text) tells this gate its pid and
     waits, in the thread that commits, until the gate is released; `when="before"` holds it before
-    the rename, with the save still in progress."""
+    the rename, with the save still in progress; `each=True` holds the first commit of each
+    process instead (one per attempt of a job that torchrun restarts)."""
 
-    def __init__(self, path: Path, when: str = "after", match: str = "") -> None:
+    def __init__(self, path: Path, when: str = "after", match: str = "", each: bool = False) -> None:
         self.path = path
         self._listener = socket.socket(socket.AF_UNIX)
         self._listener.bind(str(self.path))
@@ -173,6 +174,7 @@ class SaveGate:
             "TEST_SAVE_GATE": str(self.path),
             "TEST_SAVE_GATE_WHEN": when,
             "TEST_SAVE_GATE_MATCH": match,
+            "TEST_SAVE_GATE_EACH": str(int(each)),
         }
 
     def wait(self, process: subprocess.Popen) -> int:
@@ -199,11 +201,12 @@ class SaveGate:
 
 @pytest.fixture
 def save_gate(tmp_path: Path) -> Iterator[Callable[..., SaveGate]]:
-    """save_gate(when="after", match=""): a SaveGate in this test's folder, closed when the test ends."""
+    """save_gate(when="after", match="", each=False): a SaveGate in this test's folder, closed when
+    the test ends."""
     gates: list[SaveGate] = []
 
-    def make(when: str = "after", match: str = "") -> SaveGate:
-        gates.append(SaveGate(tmp_path / f"gate{len(gates)}.sock", when, match))
+    def make(when: str = "after", match: str = "", each: bool = False) -> SaveGate:
+        gates.append(SaveGate(tmp_path / f"gate{len(gates)}.sock", when, match, each))
         return gates[-1]
 
     yield make

@@ -1,16 +1,21 @@
 """strategy=ddp for real: two processes under torchrun, gloo on the CPU, no mocked process group.
 The first tests need no processes: how the data is cut, and how a launch is read."""
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import losses, run_cli, signal_pending, wait_for_a_save, wait_for_exit
 from mlflow import MlflowClient
 
@@ -109,13 +114,17 @@ def torchrun(
     device: list[str] = CPU,
     strategy: str = "ddp",
     env: dict[str, str] | None = None,
+    restarts: int = 0,
+    output: IO | int = subprocess.PIPE,
+    rendezvous: tuple[str, ...] = ("--standalone",),
 ) -> subprocess.Popen:
-    """`torchrun --standalone --nproc-per-node=2 run.py strategy=ddp device=cpu ...` in `project`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "run.py"]
+    """`torchrun --standalone --nproc-per-node=2 --max-restarts=0 run.py strategy=ddp device=cpu ...`
+    in `project`, its stdout and stderr to `output` (a file for a job that says more than a pipe
+    holds before the test reads it)."""
+    launch = [*rendezvous, f"--nproc-per-node={processes}", f"--max-restarts={restarts}"]
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "run.py"]
     settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
-    return subprocess.Popen(
-        [*command, *settings], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    return subprocess.Popen([*command, *settings], cwd=project, stdout=output, stderr=output, text=True, env=env)
 
 
 def finished(process: subprocess.Popen, timeout: float = 300) -> str:
@@ -150,6 +159,50 @@ def ranks(process: subprocess.Popen) -> dict[int, int]:
         if len(found) == 2:
             return found
         time.sleep(0.1)
+
+
+@pytest.fixture
+def torchruns_store(monkeypatch) -> dist.TCPStore:
+    """The store torchrun shares with every attempt of its workers, as the workers are told of it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    return store
+
+
+@pytest.mark.parametrize("before", ["nothing listens", "another store"])
+def test_an_attempt_meets_in_the_store_its_own_rank_0_opened_not_in_the_one_posted_before(torchruns_store, before):
+    another = dist.TCPStore("127.0.0.1", 0, is_master=True)
+    if before == "nothing listens":
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+    else:
+        port = another.port
+    torchruns_store.set(distributed.ATTEMPT_STORE, f"{port} 0123456789abcdef")  # the attempt before's post
+    with pytest.raises(dist.DistStoreError, match="rank 0 opened no store for this attempt"):
+        distributed.store_of_this_attempt(1, timedelta(seconds=1))
+
+    opened = distributed.store_of_this_attempt(0, timedelta(seconds=60))
+    joined = distributed.store_of_this_attempt(1, timedelta(seconds=60))
+    opened.set("from rank 0", "here")
+    assert joined.get("from rank 0") == b"here" and opened.port not in (port, torchruns_store.port)
+
+
+def test_processes_that_do_not_all_meet_stop_within_the_timeout_in_one_line(make_cfg, monkeypatch, torchruns_store):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    said = (
+        "another process of this job did not answer within strategy.timeout_s=2 s while the 2 processes met, so none "
+        "trained; check that each was started (on many nodes: every torchrun with the same --rdzv-endpoint), then "
+        "start the job again"
+    )
+    with (
+        pytest.raises(RunError, match=f"^{re.escape(said)}$"),
+        distributed.join(make_cfg("strategy=ddp", "strategy.timeout_s=2")),
+    ):
+        pass
 
 
 @slow
@@ -274,6 +327,66 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     resumed = finished(torchrun(project, *big[:1], steps, "resume=last", strategy=strategy))
     assert f"resumed at step {newest['step']} on cpu" in resumed and "(ok)" in resumed
     assert not any(path.suffix == ".tmp" for path in home.iterdir())
+
+
+@slow
+def test_a_rank_killed_twenty_times_under_max_restarts_resumes_each_time_and_finishes(project, save_gate):
+    """Each attempt torchrun restarts joins a process group of its own: the workers of every attempt
+    share torchrun's store, and an attempt that read the keys of the one before hung in
+    init_process_group or failed to connect (pytorch/pytorch#135712). Rank 0 is killed at the first
+    save of each attempt, so exactly `kills` restarts must suffice."""
+    kills, every = 20, 2
+    gate = save_gate(each=True)
+    settings = [f"checkpoint.every_n_steps={every}", f"trainer.max_steps={every * (kills + 1)}", "resume=auto"]
+    with open(project / "torchrun.log", "w+") as log:
+        process = torchrun(project, *settings, "strategy.timeout_s=60", restarts=kills, env=gate.env, output=log)
+        for _ in range(kills):
+            os.kill(gate.wait(process), signal.SIGKILL)
+            gate.release()
+        gate.wait(process)  # the attempt that is let go
+        gate.release()
+        process.wait()
+        log.seek(0)
+        output = log.read()
+    assert process.returncode == 0, output
+    resumed = re.findall(r"resumed at step (\d+) on cpu: .* \((\w+)\)", output)
+    assert resumed == [(str(every * attempt), "ok") for attempt in range(1, kills + 1)], output
+    run = only_run(store(project), "demo")
+    assert run.info.status == "FINISHED" and run.data.tags["resumes"] == str(kills)
+
+
+@slow
+def test_a_rank_killed_in_a_job_of_two_nodes_restarts_both_and_resumes(project, save_gate):
+    """The README's form for many nodes, with one torchrun per node (two here, on one machine). Each
+    torchrun counts its own restarts, so the nodes' counts part after a restart: an attempt is
+    known by the store its rank 0 opened, never by that count."""
+    kills, every = 3, 2
+    gate = save_gate(each=True)
+    with socket.socket() as probe:  # a free port for the rendezvous, as a cluster's would be
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    rendezvous = ("--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes")
+    settings = [f"checkpoint.every_n_steps={every}", f"trainer.max_steps={every * (kills + 1)}", "resume=auto"]
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(project / f"node{node}.log", "w+")) for node in range(2)]
+        nodes = [
+            torchrun(project, *settings, processes=1, restarts=kills, env=gate.env, output=log, rendezvous=rendezvous)
+            for log in logs
+        ]
+        for _ in range(kills):
+            os.kill(gate.wait(nodes[0]), signal.SIGKILL)
+            gate.release()
+        gate.wait(nodes[0])
+        gate.release()
+        said = ""
+        for node, log in zip(nodes, logs, strict=True):
+            node.wait()
+            log.seek(0)
+            said += log.read()
+            assert node.returncode == 0, said
+    # Which node's process is rank 0 may change from one attempt to the next.
+    resumed = sorted(re.findall(r"resumed at step (\d+) on cpu: .* \((\w+)\)", said), key=lambda line: int(line[0]))
+    assert resumed == [(str(every * attempt), "ok") for attempt in range(1, kills + 1)], said
 
 
 def stop(pids) -> None:

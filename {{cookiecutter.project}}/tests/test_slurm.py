@@ -89,12 +89,17 @@ def test_a_job_requeued_with_scontrol_resumes_by_itself(slurm, project, save_gat
     check_came_back(project, slurm, job, sweep)
 
 
-@pytest.mark.parametrize("partition", ["low", "grace"])
-def test_a_preempted_job_saves_requeues_and_resumes_by_itself(slurm, project, save_gate, partition):
+@pytest.mark.parametrize(
+    ("partition", "launch"),
+    [("low", []), ("grace", []), ("grace", ["hydra.launcher.tasks_per_node=2", "strategy=ddp"])],
+    ids=["no grace time", "grace time", "ddp of two tasks"],
+)
+def test_a_preempted_job_saves_requeues_and_resumes_by_itself(slurm, project, save_gate, partition, launch):
     """`low` has no grace time (SLURM requeues the job as it signals it); in `grace` the job has
-    60 s, and one that ended on its own inside them would be recorded FAILED, never to run again."""
+    60 s, and one that ended on its own inside them would be recorded FAILED, never to run again.
+    The ddp job's two tasks each get the signal and must stop at the same step."""
     gate = save_gate()
-    sweep = start(project, *readme_sweep(partition), env={**gate.env, **slurm.env})
+    sweep = start(project, *readme_sweep(partition, *launch), env={**gate.env, **slurm.env})
     job = slurm_job(gate.wait(sweep))
     slurm.run(
         "sbatch", "-p", "high", f"--cpus-per-task={slurm.cpus}", "--output=/dev/null", "--wrap", "true"

@@ -13,7 +13,10 @@ import contextlib
 import logging
 import os
 import re
+import secrets
+import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -140,25 +143,92 @@ def join(cfg: "Config") -> Iterator[World]:
         getattr(torch, device.type).set_device(device)  # object collectives use the current device
     backend = backend_for(cfg.device.backend, device)
     quiet_unless_main(rank)
-    dist.init_process_group(
-        backend,
-        timeout=timedelta(seconds=cfg.strategy.timeout_s),
-        device_id=device if device.type in ACCELERATORS else None,
+    timeout = timedelta(seconds=cfg.strategy.timeout_s)
+    with said_in_one_line(
+        cfg.strategy.timeout_s,
+        f" while the {size} processes met, so none trained; check that each was started (on many nodes: every "
+        f"torchrun with the same --rdzv-endpoint), then start the job again",
+    ):
         # A group of one (fsdp without torchrun) needs no rendezvous: its store is in memory.
-        **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}),
-    )
+        store = dist.HashStore() if alone else store_of_this_attempt(rank, timeout)
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            device_id=device if device.type in ACCELERATORS else None,
+            **({"store": store, "rank": rank, "world_size": size} if store is not None else {}),
+        )
+    lost = False
     try:
-        yield World(device, rank, local_rank, size, backend)
-    except Exception as error:
-        if (lost := peer_lost(error, cfg.strategy.timeout_s)) is None:
-            raise
-        raise RunError(
-            f"{lost}, so this one stops too; the reason is in the first lines of the process that stopped; "
-            f"then continue the job from its newest checkpoint with resume=last"
-        ) from None
+        with said_in_one_line(
+            cfg.strategy.timeout_s,
+            ", so this one stops too; the reason is in the first lines of the process that stopped; then continue "
+            "the job from its newest checkpoint with resume=last",
+        ):
+            yield World(device, rank, local_rank, size, backend)
+    except PeerLost:
+        lost = True
+        raise
     finally:
-        leave_after_main(rank)
+        if not lost:  # else rank 0 may be the one gone: there is none to wait for
+            leave_after_main(rank)
         dist.destroy_process_group()
+
+
+ATTEMPT_STORE = "continuum/store of this attempt"
+
+
+def store_of_this_attempt(rank: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, a store of this attempt's own for the process group to meet in, opened by
+    rank 0 on a free port; None elsewhere, where init_process_group's own rendezvous is new each
+    time. torchrun hands every attempt of a job it restarts (--max-restarts) one store of its own,
+    which still holds the keys of the attempt before: a group that met there waited for processes
+    that were gone or connected to their old addresses (pytorch/pytorch#135712). Rank 0 posts its
+    store's port there with a token; a port that does not answer with that token is the attempt
+    before's, and the post is read again until rank 0's new one is there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    host, deadline = os.environ["MASTER_ADDR"], time.monotonic() + timeout.total_seconds()
+    torchruns = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, is_master=True, timeout=timeout)
+        token = secrets.token_hex(8)
+        own.set("token", token)
+        torchruns.set(ATTEMPT_STORE, f"{own.port} {token}")
+        return own
+    while True:
+        port, token = torchruns.get(ATTEMPT_STORE).decode().split()
+        if (own := answering(host, int(port), token, timeout)) is not None:
+            return own
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rank 0 opened no store for this attempt: timed out after {timeout}")
+        time.sleep(0.05)
+
+
+def answering(host: str, port: int, token: str, timeout: timedelta) -> dist.TCPStore | None:
+    """The store at `port` if it holds `token`; None if nothing listens there (a closed port
+    refuses at once, where a store's client would retry until its timeout) or another store does."""
+    try:
+        socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
+        store = dist.TCPStore(host, port, timeout=timeout)
+        return store if store.check(["token"]) and store.get("token").decode() == token else None
+    except (OSError, dist.DistError):
+        return None
+
+
+class PeerLost(RunError):
+    """Another process of the job went away or went quiet."""
+
+
+@contextlib.contextmanager
+def said_in_one_line(timeout_s: int, then: str) -> Iterator[None]:
+    """A collective step of the block that failed because another process went away or went quiet
+    becomes one line: what peer_lost says, followed by `then`."""
+    try:
+        yield
+    except Exception as error:
+        if (lost := peer_lost(error, timeout_s)) is None:
+            raise
+        raise PeerLost(lost + then) from None
 
 
 # How gloo, NCCL and the c10d store say that the other end of a collective step went away or went
@@ -191,12 +261,11 @@ def leave_after_main(rank: int) -> None:
     stops every process once one exits with an error, and a run stopped by a signal exits with
     one, while rank 0 may still be writing the end of the run to MLflow."""
     store = dist.distributed_c10d._get_default_store()
-    key = f"rank 0 done/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     if rank == 0:
-        store.set(key, "1")
+        store.set("rank 0 done", "1")
         return
     with contextlib.suppress(RuntimeError):  # rank 0 is gone or stuck: leave all the same
-        store.wait([key], timedelta(seconds=60))
+        store.wait(["rank 0 done"], timedelta(seconds=60))
 
 
 def backend_for(configured: str | None, device: torch.device) -> str:

@@ -17,6 +17,7 @@ if _GATE:
 
     _BEFORE = os.environ.get("TEST_SAVE_GATE_WHEN") == "before"
     _MATCH = os.environ.get("TEST_SAVE_GATE_MATCH", "")
+    _EACH = os.environ.get("TEST_SAVE_GATE_EACH") == "1"
     _COMMIT = re.compile(r"step_\d{8,}(\.pt)?")
     _replace = os.replace
     _waited = False
@@ -24,10 +25,11 @@ if _GATE:
     def _wait_at_the_gate() -> None:
         global _waited
         _waited = True
-        try:  # the first process only, of all that share the gate (a job requeued runs again)
-            os.close(os.open(_GATE + ".taken", os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
+        if not _EACH:  # the first process only, of all that share the gate (a job requeued runs again)
+            try:
+                os.close(os.open(_GATE + ".taken", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
         with socket.socket(socket.AF_UNIX) as gate:
             gate.connect(_GATE)
             gate.sendall(f"{os.getpid()}\n".encode())
