@@ -6,6 +6,7 @@ import torch
 from omegaconf import open_dict
 
 from {{cookiecutter.package}} import components
+from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.config import check_values
 from {{cookiecutter.package}}.errors import RunError
 
@@ -166,3 +167,24 @@ def test_a_metric_is_built_for_the_datas_classes(make_cfg):
     accuracy = components.build("metrics", make_cfg().metrics.accuracy, num_classes=10)
     accuracy.update(torch.eye(10), torch.arange(10))
     assert accuracy.num_classes == 10 and accuracy.compute().item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "part"),
+    [
+        ("+metrics.r2._target_=torchmetrics.R2Score", r"metrics\.r2 \(torchmetrics\.R2Score\) does not fit"),
+        ("loss._target_=torch.nn.MSELoss", r"loss \(torch\.nn\.MSELoss\) does not fit"),
+    ],
+)
+def test_a_part_that_does_not_fit_the_others_stops_the_run_before_its_first_step(
+    make_cfg, checkpoint_dir, client, override, part
+):
+    """Found on one batch before training, named with both shapes; no checkpoint, no MLflow run."""
+    cfg = make_cfg(override)
+    with open_dict(cfg):
+        cfg.loss.pop("label_smoothing")  # cross_entropy's, which MSELoss does not take
+    shapes = r"the model's outputs \(\d+, 10\) float32 and the data's targets \(\d+,\) int64: \S"
+    with pytest.raises(RunError, match=f"^{part} {shapes}"):
+        recipe.train(cfg)
+    assert not [path for path in checkpoint_dir.iterdir() if path.name.startswith("step_")]
+    assert client.search_runs([experiment.experiment_id for experiment in client.search_experiments()]) == []

@@ -147,6 +147,22 @@ def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(
 
 
 @pytest.mark.slow
+def test_the_gradient_norm_of_a_sharded_model_is_that_of_all_its_gradients(project):
+    """Each process holds a shard of the gradients; the logged norm is that of all of them, as one
+    process training on the same global batch measures it."""
+    same = ["model.dropout=0", "trainer.max_steps=5"]
+    finished(torchrun(project, "name=sharded", *same, "data.batch_size=32", strategy="fsdp"))
+    train_alone(project, "name=alone", *same, "data.batch_size=64")
+    client = store(project)
+    sharded_norms, alone_norms = (
+        losses(client, only_run(client, name).info.run_id, "train/grad_norm") for name in ("sharded", "alone")
+    )
+    assert sorted(alone_norms) == list(range(1, 6))
+    for step, (value,) in alone_norms.items():
+        assert sharded_norms[step][0] == pytest.approx(value, rel=1e-4), step
+
+
+@pytest.mark.slow
 def test_sharded_and_one_file_checkpoints_resume_each_other(project):
     train_alone(project, "trainer.max_steps=10")
     single = run_cli(project, *CPU, "trainer.max_steps=20", "resume=last")

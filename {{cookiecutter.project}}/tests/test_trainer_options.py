@@ -61,6 +61,32 @@ def test_gradient_clipping_bounds_the_update_to_the_true_gradient_norm(make_cfg,
     assert 0.9 * 0.01 <= step.norm().item() / 0.5 <= 1.001 * 0.01
 
 
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_the_logged_gradient_norm_is_the_true_one_before_clipping_with_or_without_it(
+    make_cfg, checkpoint_dir, client, amp
+):
+    """With plain SGD and no clipping one step moves the weights by lr * gradient, whose norm
+    `train/grad_norm` must be (unscaled under fp16); a clipped step logs the same norm, as it was
+    before the clipping."""
+    one_step = [
+        f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=false", "optimizer.lr=0.5",
+        "scheduler=constant", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
+    ]  # fmt: skip
+    cfg = make_cfg(*one_step)
+    free = recipe.train(cfg)
+    after = newest_valid(checkpoint_dir)[1]["model"]
+    seed_everything(cfg.seed)  # the recipe's first draws build the model: rebuild its start
+    before = digits_model(cfg).state_dict()
+    step = torch.cat([(after[key] - before[key]).flatten() for key in before])
+    (logged,) = client.get_metric_history(free["run_id"], "train/grad_norm")
+    assert logged.step == 1 and logged.value == pytest.approx(step.norm().item() / 0.5, rel=1e-4)
+
+    elsewhere = f"checkpoint.dir={checkpoint_dir.parent / 'clipped'}"
+    clipped = recipe.train(make_cfg(*one_step, "trainer.grad_clip=0.01", "name=clipped", elsewhere))
+    (logged_clipped,) = client.get_metric_history(clipped["run_id"], "train/grad_norm")
+    assert logged_clipped.value == pytest.approx(logged.value, rel=1e-6) and logged.value > 0.1
+
+
 class Noise(Dataset):
     """A dataset whose samples come from NumPy's global generator, like a random augmentation."""
 
@@ -175,7 +201,7 @@ def test_the_loss_a_step_reports_is_float32_whatever_dtype_the_loss_comes_in(mak
     criterion = run.criterion
     run.criterion = lambda outputs, targets: criterion(outputs, targets).bfloat16()  # a loss computed in bf16
     batch = next(iter(run.val_loader))
-    assert recipe.train_step(run, [batch] * accumulated).dtype == torch.float32
+    assert recipe.train_step(run, [batch] * accumulated)[0].dtype == torch.float32
 
 
 @pytest.mark.slow

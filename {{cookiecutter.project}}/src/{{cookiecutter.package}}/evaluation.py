@@ -14,6 +14,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 from . import components
+from .errors import RunError, first_line
 from .parts import Run
 from .precision import autocast
 
@@ -48,6 +49,60 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
         results[f"val/{name}"] = metric.compute().item()
         metric.reset()
     return results
+
+
+@torch.no_grad()
+def check_wiring(run: Run) -> None:
+    """One validation batch through the model, the loss and every metric, on the run's device,
+    before the first step (of a resumed run too): a component that does not fit the others stops
+    the run here, in one line naming it and the shapes, not at a validation hours later. Every
+    process checks its own batch, and all stop if one finds a problem."""
+    batch = next(iter(run.val_loader), None)
+    # A share too small for one batch leaves the check to the first validation: under fsdp a
+    # forward needs every process.
+    if not all(run.world.gather(batch is not None)):
+        return
+    inputs, targets = batch
+    problem = wiring_problem(run, run.place(inputs), run.place(targets))
+    problems = [found for found in run.world.gather(problem) if found is not None]
+    if problems:
+        raise RunError(problems[0])
+
+
+def wiring_problem(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
+    """What does not fit in the data -> model -> loss -> metrics chain for one batch, or None."""
+    cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError)
+    run.model.eval()
+    try:
+        with autocast(run.amp, run.device):
+            try:
+                outputs = run.model(inputs)
+            except failures as error:
+                return (
+                    f"model ({cfg.model._target_}) cannot take the data's inputs {shape(inputs)}: {first_line(error)}"
+                )
+        outputs = outputs.float()
+        fit = f"the model's outputs {shape(outputs)} and the data's targets {shape(targets)}"
+        try:
+            loss = run.criterion(outputs, targets)
+        except failures as error:
+            return f"loss ({cfg.loss._target_}) does not fit {fit}: {first_line(error)}"
+        if loss.ndim != 0:
+            return f"loss ({cfg.loss._target_}) gives a tensor {shape(loss)} for {fit}; it must give one number"
+        for name, metric in run.metrics.items():
+            try:
+                metric.update(outputs, targets)
+            except failures as error:
+                return f"metrics.{name} ({cfg.metrics[name]._target_}) does not fit {fit}: {first_line(error)}"
+            finally:
+                metric.reset()
+        return None
+    finally:
+        run.model.train()
+
+
+def shape(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[list[torch.Tensor]]:

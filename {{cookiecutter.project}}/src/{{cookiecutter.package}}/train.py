@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import components, continuity, distributed, restarts, strategies
 from .checkpoint.home import claim
@@ -25,7 +26,7 @@ from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
 from .divergence import Divergence
 from .errors import RunError
-from .evaluation import build_metrics, evaluate
+from .evaluation import build_metrics, check_wiring, evaluate
 from .parts import Run
 from .precision import autocast, build_scaler
 from .precision import describe as describe_amp
@@ -196,8 +197,11 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     if cfg.trainer.compile:
         run.model.compile()  # in place: state_dict keys stay those of the plain model
 
-    # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device.
+    # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device;
+    #    then one batch through model, loss and metrics, so a part that does not fit the others
+    #    stops the run now, before MLflow or a checkpoint hears of it.
     audit_placement(device, run.model, run.optimizer, run.scaler)
+    check_wiring(run)
     return run, checkpoints, found
 
 
@@ -214,7 +218,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
-            loss = train_step(run, micro_batches)
+            loss, grad_norm = train_step(run, micro_batches)
             run.step += 1
             divergence.watch(run.step, loss)
             meter.count(run.world.size * sum(len(targets) for _, targets in micro_batches))
@@ -223,7 +227,8 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 divergence.check(checkpoints.on_disk)
                 value, rates = loss.item(), meter.window()
                 lr = run.optimizer.param_groups[0]["lr"]
-                run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **rates}, run.step)
+                norm = {} if grad_norm is None else {"train/grad_norm": grad_norm.item()}
+                run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates["train/samples_per_s"])
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
@@ -245,9 +250,10 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
 
 
-def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
+def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss over
-    all processes."""
+    all processes and the norm of the gradients before clipping, measured for a step that will be
+    logged or clipped (else None, as for a step skipped)."""
     total = None
     for number, (inputs, targets) in enumerate(micro_batches, start=1):
         with run.strategy.holding_gradients(run.wrapped) if number < len(micro_batches) else contextlib.nullcontext():
@@ -265,12 +271,22 @@ def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> torch.Tenso
     if run.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
         run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
-        return total
-    if run.trainer.grad_clip is not None:
-        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
-        nn.utils.clip_grad_norm_(run.model.parameters(), run.trainer.grad_clip)
+        return total, None
+    norm = None
+    if (run.step + 1) % run.trainer.log_every_n_steps == 0 or run.trainer.grad_clip is not None:
+        run.scaler.unscale_(run.optimizer)  # the true gradients, not the fp16-scaled ones
+        norm = gradient_norm(run.model, run.trainer.grad_clip)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return total
+    return total, norm
+
+
+def gradient_norm(model: nn.Module, clip: float | None) -> torch.Tensor:
+    """The norm of all the model's gradients as one vector, on every process (under fsdp each
+    holds a shard of them); with `clip`, the gradients are scaled down to that norm at most."""
+    norm = nn.utils.get_total_norm([parameter.grad for parameter in model.parameters() if parameter.grad is not None])
+    if clip is not None:
+        nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
