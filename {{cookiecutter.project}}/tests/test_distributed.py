@@ -181,13 +181,20 @@ def test_an_attempt_meets_in_the_store_its_own_rank_0_opened_not_in_the_one_post
     else:
         port = another.port
     torchruns_store.set(distributed.ATTEMPT_STORE, f"{port} 0123456789abcdef")  # the attempt before's post
-    with pytest.raises(dist.DistStoreError, match="rank 0 opened no store for this attempt"):
-        distributed.store_of_this_attempt(1, timedelta(seconds=1))
+    torchruns_store.set("key", "of a group that met in torchrun's store as it is")
+    with (
+        pytest.raises(dist.DistStoreError, match="rank 0 posted no store for this attempt"),
+        distributed.store_of_this_attempt(1, timedelta(seconds=1)),
+    ):
+        pass
 
-    opened = distributed.store_of_this_attempt(0, timedelta(seconds=60))
-    joined = distributed.store_of_this_attempt(1, timedelta(seconds=60))
-    opened.set("from rank 0", "here")
-    assert joined.get("from rank 0") == b"here" and opened.port not in (port, torchruns_store.port)
+    with (
+        distributed.store_of_this_attempt(0, timedelta(seconds=60)) as opened,
+        distributed.store_of_this_attempt(1, timedelta(seconds=60)) as joined,
+    ):
+        assert not joined.check(["key"]), "a key of the attempt before"
+        opened.set("from rank 0", "here")
+        assert joined.get("from rank 0") == b"here"
 
 
 def test_processes_that_do_not_all_meet_stop_within_the_timeout_in_one_line(make_cfg, monkeypatch, torchruns_store):

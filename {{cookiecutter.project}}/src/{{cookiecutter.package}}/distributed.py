@@ -150,13 +150,14 @@ def join(cfg: "Config") -> Iterator[World]:
         f"torchrun with the same --rdzv-endpoint), then start the job again",
     ):
         # A group of one (fsdp without torchrun) needs no rendezvous: its store is in memory.
-        store = dist.HashStore() if alone else store_of_this_attempt(rank, timeout)
-        dist.init_process_group(
-            backend,
-            timeout=timeout,
-            device_id=device if device.type in ACCELERATORS else None,
-            **({"store": store, "rank": rank, "world_size": size} if store is not None else {}),
-        )
+        meeting = contextlib.nullcontext(dist.HashStore()) if alone else store_of_this_attempt(rank, timeout)
+        with meeting as store:
+            dist.init_process_group(
+                backend,
+                timeout=timeout,
+                device_id=device if device.type in ACCELERATORS else None,
+                **({"store": store, "rank": rank, "world_size": size} if store is not None else {}),
+            )
     lost = False
     try:
         with said_in_one_line(
@@ -177,42 +178,50 @@ def join(cfg: "Config") -> Iterator[World]:
 ATTEMPT_STORE = "continuum/store of this attempt"
 
 
-def store_of_this_attempt(rank: int, timeout: timedelta) -> dist.Store | None:
-    """Under torchrun, a store of this attempt's own for the process group to meet in, opened by
-    rank 0 on a free port; None elsewhere, where init_process_group's own rendezvous is new each
-    time. torchrun hands every attempt of a job it restarts (--max-restarts) one store of its own,
-    which still holds the keys of the attempt before: a group that met there waited for processes
-    that were gone or connected to their old addresses (pytorch/pytorch#135712). Rank 0 posts its
-    store's port there with a token; a port that does not answer with that token is the attempt
-    before's, and the post is read again until rank 0's new one is there."""
+@contextlib.contextmanager
+def store_of_this_attempt(rank: int, timeout: timedelta) -> Iterator[dist.Store | None]:
+    """Under torchrun, the store for the process group to meet in: torchrun's own, under a prefix
+    that no attempt before used; None elsewhere, where init_process_group's own rendezvous is new
+    each time. torchrun hands every attempt of a job it restarts (--max-restarts) one store, which
+    still holds the keys of the attempt before: a group that met there unprefixed waited for
+    processes that were gone or connected to their old addresses (pytorch/pytorch#135712), and
+    torchrun's restart count cannot tell the attempts apart, for each node counts its own.
+
+    Rank 0 draws the prefix and posts it with the port of a small store it opens for the while:
+    a post whose port does not answer with that prefix is the attempt before's, and is read
+    again until rank 0's new one is there. Rank 0 closes its store once every process has joined
+    the group (the block), so that the group lives in torchrun's store, which outlives rank 0."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
+        yield None
+        return
     host, deadline = os.environ["MASTER_ADDR"], time.monotonic() + timeout.total_seconds()
     torchruns = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), timeout=timeout)
     if rank == 0:
-        own = dist.TCPStore(host, 0, is_master=True, timeout=timeout)
         token = secrets.token_hex(8)
-        own.set("token", token)
-        torchruns.set(ATTEMPT_STORE, f"{own.port} {token}")
-        return own
+        answers = dist.TCPStore(host, 0, is_master=True, timeout=timeout)
+        answers.set("token", token)
+        torchruns.set(ATTEMPT_STORE, f"{answers.port} {token}")
+        yield dist.PrefixStore(f"attempt {token}", torchruns)
+        return
     while True:
         port, token = torchruns.get(ATTEMPT_STORE).decode().split()
-        if (own := answering(host, int(port), token, timeout)) is not None:
-            return own
+        if answering(host, int(port), token, timeout):
+            break
         if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"rank 0 opened no store for this attempt: timed out after {timeout}")
+            raise dist.DistStoreError(f"rank 0 posted no store for this attempt: timed out after {timeout}")
         time.sleep(0.05)
+    yield dist.PrefixStore(f"attempt {token}", torchruns)
 
 
-def answering(host: str, port: int, token: str, timeout: timedelta) -> dist.TCPStore | None:
-    """The store at `port` if it holds `token`; None if nothing listens there (a closed port
+def answering(host: str, port: int, token: str, timeout: timedelta) -> bool:
+    """Whether a store at `port` holds `token`: False if nothing listens there (a closed port
     refuses at once, where a store's client would retry until its timeout) or another store does."""
     try:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
         store = dist.TCPStore(host, port, timeout=timeout)
-        return store if store.check(["token"]) and store.get("token").decode() == token else None
+        return store.check(["token"]) and store.get("token").decode() == token
     except (OSError, dist.DistError):
-        return None
+        return False
 
 
 class PeerLost(RunError):
