@@ -3,6 +3,7 @@
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from omegaconf import DictConfig
+
+from {{cookiecutter.package}} import train as recipe
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +80,26 @@ def make_cfg(checkpoint_dir: Path, tracking_uri: str):
 @pytest.fixture
 def client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+@pytest.fixture
+def sigterm_at(monkeypatch):
+    """Sends this process SIGTERM during training step `step`, as a cluster scheduler would."""
+
+    def arm(step: int) -> None:
+        calls = []
+        real_step = recipe.train_step
+
+        def step_then_signal(*args):
+            loss = real_step(*args)
+            calls.append(1)
+            if len(calls) == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+
+        monkeypatch.setattr(recipe, "train_step", step_then_signal)
+
+    return arm
 
 
 def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[int, list[float]]:

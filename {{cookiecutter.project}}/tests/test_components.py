@@ -58,8 +58,8 @@ def mine(tmp_path, monkeypatch):
         (["data.batch_size=x"], "data.batch_size='x' is not an integer"),
         (["optimizer.fused=maybe"], "optimizer.fused='maybe' is not true or false or null"),
         (
-            ["+model.num_classes=3"],
-            "model.num_classes is given by the run when model is built; remove it from the config",
+            ["+optimizer.params=[1]"],
+            "optimizer.params is given by the run when optimizer is built; remove it from the config",
         ),
         (
             ["model._target_=nowhere.Model"],
@@ -79,18 +79,45 @@ def test_a_setting_its_target_would_refuse_is_named_in_one_line(make_cfg, overri
 def test_a_required_setting_left_out_is_named(make_cfg):
     cfg = make_cfg()
     with open_dict(cfg):
-        del cfg.model.hidden_sizes
+        del cfg.scheduler.total_steps
         del cfg.data.batch_size
     found = components.problems(cfg)
     assert (
-        f"model.hidden_sizes is required by {PACKAGE}.models.MLP; set it in its YAML file or with model.hidden_sizes=<value>"
-        in found
+        f"scheduler.total_steps is required by {PACKAGE}.schedulers.cosine; set it in its YAML file or with "
+        f"scheduler.total_steps=<value>" in found
     )
     assert "data.batch_size is required by the loader; set it in the data's YAML file" in found
 
 
+def test_a_required_setting_that_neither_the_config_nor_the_data_gives_is_named_when_it_is_built(make_cfg):
+    """A model's parameter may be one of the data's facts, known only once the data is built."""
+    cfg = make_cfg()
+    with open_dict(cfg):
+        del cfg.model.hidden_sizes
+    assert components.problems(cfg) == []
+    with pytest.raises(RunError) as raised:
+        components.build("model", cfg.model, **runtime("model"))
+    assert str(raised.value) == (
+        f"model.hidden_sizes is required by {PACKAGE}.models.MLP and neither its config nor the data gives it (the "
+        f"data's facts: input_shape, num_classes); set model.hidden_sizes=<value>, or report it from the data"
+    )
+
+
+def test_a_setting_that_the_data_also_gives_is_refused_when_it_is_built(make_cfg):
+    cfg = make_cfg("+model.num_classes=3")
+    assert components.problems(cfg) == []
+    with pytest.raises(RunError) as raised:
+        components.build("model", cfg.model, **runtime("model"))
+    assert (
+        str(raised.value)
+        == "model.num_classes is given by the data (10) when model is built; remove it from the config"
+    )
+
+
 @pytest.mark.parametrize(
-    "options", [[], ["model=cnn"], ["optimizer=sgd", "scheduler=constant"], ["experiment=cnn_digits"]], ids=" ".join
+    "options",
+    [[], ["model=cnn"], ["optimizer=sgd", "scheduler=constant"], ["experiment=cnn_digits"], ["experiment=char_lm"]],
+    ids=" ".join,
 )
 def test_every_shipped_option_passes(make_cfg, options):
     assert problems(make_cfg, *options) == []
@@ -180,11 +207,12 @@ def test_a_part_that_does_not_fit_the_others_stops_the_run_before_its_first_step
     make_cfg, checkpoint_dir, client, override, part
 ):
     """Found on one batch before training, named with both shapes; no checkpoint, no MLflow run."""
-    cfg = make_cfg(override)
+    cfg = make_cfg(override, "name=miswired")
     with open_dict(cfg):
         cfg.loss.pop("label_smoothing")  # cross_entropy's, which MSELoss does not take
     shapes = r"the model's outputs \(\d+, 10\) float32 and the data's targets \(\d+,\) int64: \S"
     with pytest.raises(RunError, match=f"^{part} {shapes}"):
         recipe.train(cfg)
     assert not [path for path in checkpoint_dir.iterdir() if path.name.startswith("step_")]
-    assert client.search_runs([experiment.experiment_id for experiment in client.search_experiments()]) == []
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment_name)  # the store is the session's
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []

@@ -1,13 +1,13 @@
 """A resumed run continues exactly: the same `train/loss` at every step as a run never stopped."""
 
 import logging
-import os
 import re
 import signal
 
 import pytest
 import torch
 from conftest import losses
+from torch.utils.data import TensorDataset
 
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.checkpoint.home import path_of
@@ -16,30 +16,11 @@ from {{cookiecutter.package}}.checkpoint.onefile import save
 from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.probe import Probe
 
 # 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
 STOP_AT, MAX_STEPS = 30, 60
 QUIET = "mlflow.enabled=false"
-
-
-@pytest.fixture
-def sigterm_at(monkeypatch):
-    """Sends this process SIGTERM during training step `step`, as a cluster scheduler would."""
-
-    def arm(step: int) -> None:
-        calls = []
-        real_step = recipe.train_step
-
-        def step_then_signal(*args):
-            loss = real_step(*args)
-            calls.append(1)
-            if len(calls) == step:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return loss
-
-        monkeypatch.setattr(recipe, "train_step", step_then_signal)
-
-    return arm
 
 
 def run_id_of(checkpoint_dir) -> str:
@@ -300,3 +281,21 @@ def test_a_part_handed_to_the_checkpointer_is_saved_and_restored_and_an_older_ch
     assert newest_valid(checkpoint_dir.parent / "counted").state["counter"] == {"saves": 2}
     recipe.train(make_cfg(QUIET, *counted, "trainer.max_steps=15", "resume=last"))
     assert counters[-1].saves == 3 and newest_valid(checkpoint_dir.parent / "counted").state["counter"] == {"saves": 3}
+
+
+def test_the_probe_is_evaluated_in_batches_of_the_size_it_was_saved_with(make_cfg, checkpoint_dir):
+    """Its samples in one batch could cost more memory than any training step (long sequences);
+    in training's batches they cost no more, and a resume evaluates the same batches as the save."""
+    recipe.train(make_cfg("trainer.max_steps=20", "data.batch_size=64"))
+    assert newest_valid(checkpoint_dir)[1]["probe"]["batch_size"] == 64
+    resumed = recipe.train(make_cfg("trainer.max_steps=30", "data.batch_size=32", "resume=last"))
+    assert resumed["continuity"] == "ok"
+
+    samples = TensorDataset(torch.arange(10.0))
+    probe = Probe(samples, size=10, batch_size=4)
+    device = make_cfg().device
+    assert [len(batch) for (batch,) in probe.loader(device)] == [4, 4, 2]
+    probe.load_state_dict({"indices": torch.arange(10), "loss": 0.5, "batch_size": 3})
+    assert [len(batch) for (batch,) in probe.loader(device)] == [3, 3, 3, 1]
+    probe.load_state_dict({"indices": torch.arange(10), "loss": 0.5})  # saved before probes had a batch size
+    assert [len(batch) for (batch,) in probe.loader(device)] == [10]

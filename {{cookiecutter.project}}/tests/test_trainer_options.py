@@ -223,7 +223,7 @@ def test_off_a_terminal_a_progress_line_comes_at_a_logging_step_once_progress_ev
         assert shown.lines  # pytest's stdout is no terminal
         for step, seconds in ((10, 5), (20, 30), (30, 10), (40, 25)):
             clock[0] += seconds
-            shown.report(step, 0.5, 1234.0)
+            shown.report(step, 0.5, 1234.0, "samples")
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
     assert lines == [
         "step 20/100: loss 0.5000, 1234 samples/s, ETA 0:02:20",  # 35 s for 20 steps, 80 to go

@@ -5,8 +5,9 @@ A component's schema is its signature. Before anything is built, every setting i
 the parameters of its `_target_`: a key it does not take is refused with the nearest name, a value
 of the wrong type with the type it needs, a parameter without default that no setting gives is
 named. So adding a model is one class with type-annotated parameters and one YAML file. What only
-the run knows (the parameters to optimize, the data's input shape) is passed at build time, to the
-parameters that ask for it by name (RUNTIME).
+the run knows is passed at build time, to the parameters that ask for it by name: the data's facts
+(`input_shape`, `num_classes`, `vocab_size`: whatever the data component reports) to the task,
+model, loss and metrics, and the parameters to optimize to the optimizer (RUNTIME).
 """
 
 import collections.abc
@@ -30,12 +31,16 @@ from .errors import RunError, first_line
 # Per group, what the runner passes at build time to a constructor that names it.
 RUNTIME = {
     "data": (),
-    "model": ("input_shape", "num_classes"),  # from the data
+    "task": (),
+    "model": (),
     "loss": (),
-    "metrics": ("num_classes",),
+    "metrics": (),
     "optimizer": ("params",),  # the model's trainable parameters, already on the device
     "scheduler": ("optimizer",),
 }
+# The groups given the data's facts (data.Data), which are known only once the data is built: a
+# parameter without default that no setting gives may be one of them, checked at build time.
+GIVEN_FACTS = ("task", "model", "loss", "metrics")
 # Keys of the `data` group that the runner's DataLoader takes, not its `_target_` (batch_size is required).
 LOADER = {"batch_size": int, "num_workers": int}
 METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
@@ -48,6 +53,8 @@ def build(group: str, node: DictConfig, **runtime: object) -> Any:
     target = get_object(node._target_)
     named = _parameters(target)
     given = {key: value for key, value in runtime.items() if key in named}
+    if group.split(".")[0] in GIVEN_FACTS:
+        _check_facts(group, node._target_, named, settings, runtime)
     try:
         return instantiate({"_target_": node._target_, **settings}, _convert_="all", **given)
     except InstantiationException as error:
@@ -55,6 +62,23 @@ def build(group: str, node: DictConfig, **runtime: object) -> Any:
         if isinstance(cause, ValueError | RunError):
             raise RunError(f"{group} ({node._target_}): {first_line(cause)}") from None
         raise
+
+
+def _check_facts(
+    group: str, target: str, named: dict[str, inspect.Parameter], settings: dict, facts: dict[str, object]
+) -> None:
+    """A setting that the data also gives is refused (two sources for one number), and so is a
+    required parameter that neither gives."""
+    if clash := [key for key in facts if key in named and key in settings]:
+        raise RunError(
+            f"{group}.{clash[0]} is given by the data ({facts[clash[0]]!r}) when {group} is built; remove it from "
+            f"the config"
+        )
+    if missing := [name for name in _required(named) if name not in settings and name not in facts]:
+        raise RunError(
+            f"{group}.{missing[0]} is required by {target} and neither its config nor the data gives it (the "
+            f"data's facts: {', '.join(facts) or 'none'}); set {group}.{missing[0]}=<value>, or report it from the data"
+        )
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -109,15 +133,23 @@ def _check(path: str, node: object, runtime: tuple[str, ...]) -> list[str]:
         for key, value in settings.items()
         if isinstance(value, float) and not math.isfinite(value)
     ]
-    found += [
-        f"{path}.{name} is required by {where}; set it in its YAML file or with {path}.{name}=<value>"
+    if path.split(".")[0] not in GIVEN_FACTS:
+        found += [
+            f"{path}.{name} is required by {where}; set it in its YAML file or with {path}.{name}=<value>"
+            for name in _required(named)
+            if name not in settings and name not in runtime
+        ]
+    return found
+
+
+def _required(named: dict[str, inspect.Parameter]) -> list[str]:
+    """The parameters a call must give: no default, and not *args or **kwargs."""
+    return [
+        name
         for name, parameter in named.items()
         if parameter.default is inspect.Parameter.empty
         and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        and name not in settings
-        and name not in runtime
     ]
-    return found
 
 
 def _check_types(path: str, values: dict[str, object], hints: dict[str, object]) -> list[str]:

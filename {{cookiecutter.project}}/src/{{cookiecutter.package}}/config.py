@@ -2,8 +2,8 @@
 
 Two kinds of config group. The run's own settings (strategy, device, amp, checkpoint, mlflow, trainer) have a
 dataclass each: Hydra merges the YAML files into them, so a misspelt key or `amp.enabled=maybe`
-stops the run at composition, with Hydra's message. The components (data, model, loss, metrics,
-optimizer, scheduler) name what builds them with `_target_`, and their schema is its signature:
+stops the run at composition, with Hydra's message. The components (data, task, model, loss,
+metrics, optimizer, scheduler) name what builds them with `_target_`, and their schema is its signature:
 `check_values` checks them against it (components.py) before anything is built, as it checks
 what Hydra lets through (a key added with `+`, a value out of range).
 """
@@ -108,6 +108,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Components, each a `_target_` and its settings, checked against its signature (components.py).
     data: Any = MISSING
+    task: Any = MISSING  # what a batch holds for the model, and how its outputs become the loss (tasks.py)
     model: Any = MISSING
     loss: Any = MISSING
     metrics: Any = MISSING  # {name: component}, each logged as val/<name>

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -24,14 +25,14 @@ from .errors import RunError
 from .preemption import SIGNALS
 
 
-@dataclass
 class Data:
-    """What a `data` component returns: the datasets, and what a model needs to know of them."""
+    """What a `data` component returns: the datasets, and facts about them that the other
+    components may need, each given to a constructor parameter of its name (components.py):
+    `Data(train, val, input_shape=(1, 8, 8), num_classes=10)` for the digits,
+    `Data(train, val, vocab_size=98, block_size=64)` for a language model."""
 
-    train: Dataset
-    val: Dataset
-    input_shape: tuple[int, ...]  # of one sample's input
-    num_classes: int
+    def __init__(self, train: Dataset, val: Dataset, **facts: Any) -> None:
+        self.train, self.val, self.facts = train, val, facts
 
 
 @dataclass

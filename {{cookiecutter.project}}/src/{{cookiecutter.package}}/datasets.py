@@ -1,13 +1,16 @@
-"""The demo's data. Each data option is a function (or class) that a file in configs/data/ names
-with `_target_`, returning the training and validation datasets and what a model needs to know
-about them (`data.Data`). Its settings are its type-annotated parameters, as a model's are.
+"""The examples' data. Each data option is a function (or class) that a file in configs/data/
+names with `_target_`, returning the training and validation datasets and the facts the model,
+task, loss and metrics may need about them (`data.Data`). Its settings are its type-annotated
+parameters, as a model's are.
 
-The datasets may be of any kind whose samples are (input, target) pairs of tensors: the runner's
-loader (data.py) decides their order, and resumes it mid-epoch.
+A dataset may be of any kind whose samples the loader can batch: (input, target) pairs, dicts or
+tuples of tensors; the task (tasks.py) says what a batch holds. The runner's loader (data.py)
+decides their order, and resumes it mid-epoch.
 """
 
 import gzip
 import importlib.util
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +61,44 @@ def read_digits() -> np.ndarray:
         return np.column_stack([images, labels])
     with gzip.open(path) as file:
         return np.loadtxt(file, delimiter=",")
+
+
+# The characters a character-level model reads: tab, newline and printable ASCII; any other
+# character reads as the last one, so that the vocabulary is the same on every machine.
+CHARACTERS = "\t\n" + "".join(map(chr, range(32, 127)))
+UNKNOWN = len(CHARACTERS)
+
+
+def python_source(block_size: int, max_chars: int, val_fraction: float) -> Data:
+    """Text every machine with Python has, without a download: the standard library's own modules,
+    read in the order of their names up to `max_chars` characters, cut into sequences of
+    `block_size` characters, each with the same shifted by one as its next-character targets. The
+    last `val_fraction` of the text is for validation: a split that depends on no seed."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
+    text = read_standard_library(max_chars)
+    lookup = {character: index for index, character in enumerate(CHARACTERS)}
+    tokens = torch.tensor([lookup.get(character, UNKNOWN) for character in text], dtype=torch.long)
+    count = (len(tokens) - 1) // block_size
+    if count < 2:
+        raise ValueError(f"max_chars={max_chars} holds fewer than two sequences of block_size={block_size}")
+    inputs = tokens[: count * block_size].view(count, block_size)
+    targets = tokens[1 : count * block_size + 1].view(count, block_size)
+    split = count - max(1, int(count * val_fraction))
+    return Data(
+        train=TensorDataset(inputs[:split], targets[:split]),
+        val=TensorDataset(inputs[split:], targets[split:]),
+        vocab_size=len(CHARACTERS) + 1,
+        block_size=block_size,
+    )
+
+
+def read_standard_library(max_chars: int) -> str:
+    """The text of the standard library's top-level modules, in the order of their file names."""
+    parts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1])
+        if size >= max_chars:
+            break
+    return "".join(parts)[:max_chars]

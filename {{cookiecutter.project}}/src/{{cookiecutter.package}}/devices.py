@@ -1,8 +1,12 @@
 """Which device a run uses, a preflight that fails before anything is built, and the placement
 audit that proves every tensor the first step touches is on that device."""
 
+import dataclasses
+import functools
 import logging
 import platform
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,7 +126,20 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
     return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool, channels_last: bool) -> torch.Tensor:
-    """A batch to the device, as the model is laid out: NHWC for images under channels_last."""
-    memory_format = torch.channels_last if channels_last and tensor.dim() == 4 else torch.preserve_format
-    return tensor.to(device, non_blocking=non_blocking, memory_format=memory_format)
+def to_device(batch: Any, device: torch.device, non_blocking: bool, channels_last: bool) -> Any:
+    """A batch to the device whole: a tensor, or a tuple, list, dict or dataclass of them (nested),
+    laid out as the model is (NHWC for images under channels_last); anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        memory_format = torch.channels_last if channels_last and batch.dim() == 4 else torch.preserve_format
+        return batch.to(device, non_blocking=non_blocking, memory_format=memory_format)
+    place = functools.partial(to_device, device=device, non_blocking=non_blocking, channels_last=channels_last)
+    if isinstance(batch, Mapping):
+        return {key: place(value) for key, value in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        moved = {field.name: place(getattr(batch, field.name)) for field in dataclasses.fields(batch) if field.init}
+        return dataclasses.replace(batch, **moved)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*map(place, batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(map(place, batch))
+    return batch

@@ -6,12 +6,13 @@ across processes once training runs on several.
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
-from torchmetrics.aggregation import MeanMetric
+from torchmetrics.aggregation import SumMetric
 
 from . import components
 from .errors import RunError, first_line
@@ -19,32 +20,36 @@ from .parts import Run
 from .precision import autocast
 
 
-def build_metrics(cfg: DictConfig, num_classes: int, device: torch.device) -> dict[str, Metric]:
+def build_metrics(cfg: DictConfig, facts: dict[str, Any], device: torch.device) -> dict[str, Metric]:
     """The `metrics` group, each logged as `val/<name>`, on the device."""
-    return {name: components.build("metrics", node, num_classes=num_classes).to(device) for name, node in cfg.items()}
+    return {name: components.build(f"metrics.{name}", node, **facts).to(device) for name, node in cfg.items()}
 
 
 @torch.no_grad()
 def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, float]:
-    """`val/loss`, the mean loss per sample, and `val/<name>` for each metric. `shared`: each
-    process holds a share of the samples, and the results combine all shares (a collective step);
-    otherwise only the loss, over this process's loader alone."""
+    """`val/loss`, the mean loss per unit the task counts (sample, token), and `val/<name>` for
+    each metric. `shared`: each process holds a share of the samples, and the results combine all
+    shares (a collective step); otherwise only the loss, over this process's loader alone."""
     run.model.eval()
-    # NaN kept, not dropped with a warning (torchmetrics' default): a NaN loss must show.
-    loss = MeanMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device)
+    # Sums, not MeanMetric: with nan_strategy="disable" MeanMetric drops the weights (torchmetrics
+    # 1.9), and its mean would be one of batch means. NaN kept, not dropped with a warning
+    # (torchmetrics' default): a NaN loss must show.
+    total, units = (SumMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device) for _ in range(2))
     metrics = run.metrics if shared else {}
-    for inputs, targets in in_step(loader, run, shared):
-        inputs, targets = run.place(inputs), run.place(targets)
+    for batch, counted in in_step(loader, run, shared):
+        inputs, targets = run.task.split(run.place(batch))
         with autocast(run.amp, run.device):
             outputs = run.model(inputs)
-        if not len(targets):
+        if not counted:
             continue
-        outputs = outputs.float()
-        loss.update(run.criterion(outputs, targets), weight=len(targets))
+        outputs = in_float32(outputs)
+        loss, count = run.task.loss(run.criterion, outputs, targets)
+        total.update(loss * count)
+        units.update(count)
         for metric in metrics.values():
             metric.update(outputs, targets)
     run.model.train()
-    results = {"val/loss": loss.compute().item()}
+    results = {"val/loss": (total.compute() / units.compute()).item()}
     for name, metric in metrics.items():
         results[f"val/{name}"] = metric.compute().item()
         metric.reset()
@@ -53,25 +58,28 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
 
 @torch.no_grad()
 def check_wiring(run: Run) -> None:
-    """One validation batch through the model, the loss and every metric, on the run's device,
-    before the first step (of a resumed run too): a component that does not fit the others stops
-    the run here, in one line naming it and the shapes, not at a validation hours later. Every
-    process checks its own batch, and all stop if one finds a problem."""
+    """One validation batch through the task, the model, the loss and every metric, on the run's
+    device, before the first step (of a resumed run too): a component that does not fit the others
+    stops the run here, in one line naming it and the shapes, not at a validation hours later.
+    Every process checks its own batch, and all stop if one finds a problem."""
     batch = next(iter(run.val_loader), None)
     # A share too small for one batch leaves the check to the first validation: under fsdp a
     # forward needs every process.
     if not all(run.world.gather(batch is not None)):
         return
-    inputs, targets = batch
-    problem = wiring_problem(run, run.place(inputs), run.place(targets))
+    problem = wiring_problem(run, run.place(batch))
     problems = [found for found in run.world.gather(problem) if found is not None]
     if problems:
         raise RunError(problems[0])
 
 
-def wiring_problem(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
-    """What does not fit in the data -> model -> loss -> metrics chain for one batch, or None."""
-    cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError)
+def wiring_problem(run: Run, batch: Any) -> str | None:
+    """What does not fit in the data -> task -> model -> loss -> metrics chain for one batch, or None."""
+    cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError, KeyError)
+    try:
+        inputs, targets = run.task.split(batch)
+    except failures as error:
+        return f"task ({cfg.task._target_}) cannot split the data's batch {shape(batch)}: {first_line(error)}"
     run.model.eval()
     try:
         with autocast(run.amp, run.device):
@@ -81,10 +89,10 @@ def wiring_problem(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> str
                 return (
                     f"model ({cfg.model._target_}) cannot take the data's inputs {shape(inputs)}: {first_line(error)}"
                 )
-        outputs = outputs.float()
+        outputs = in_float32(outputs)
         fit = f"the model's outputs {shape(outputs)} and the data's targets {shape(targets)}"
         try:
-            loss = run.criterion(outputs, targets)
+            loss, _ = run.task.loss(run.criterion, outputs, targets)
         except failures as error:
             return f"loss ({cfg.loss._target_}) does not fit {fit}: {first_line(error)}"
         if loss.ndim != 0:
@@ -101,18 +109,32 @@ def wiring_problem(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> str
         run.model.train()
 
 
-def shape(tensor: torch.Tensor) -> str:
-    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+def in_float32(outputs: Any) -> Any:
+    """The model's outputs for the loss and the metrics, in float32 whatever autocast computed (a
+    task whose model returns a structure converts it itself)."""
+    return outputs.float() if isinstance(outputs, torch.Tensor) and outputs.is_floating_point() else outputs
 
 
-def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[list[torch.Tensor]]:
-    """The loader's batches; then, where each forward is a collective step (strategy=fsdp gathers
-    parameters from every process), empty batches until this process has run as many forwards as
-    the process whose share of the samples has the most batches."""
-    count = 0
+def shape(value: Any) -> str:
+    """A tensor's shape and dtype, or those of each tensor in a batch's structure."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {shape(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(shape(item) for item in value) + ")"
+    return type(value).__name__
+
+
+def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[tuple[Any, bool]]:
+    """The loader's batches, each with True: it counts; then, where each forward is a collective
+    step (strategy=fsdp gathers parameters from every process), the last batch again with False,
+    until this process has run as many forwards as the process whose share of the samples has the
+    most batches."""
+    count, batch = 0, None
     for batch in loader:
         count += 1
-        yield batch
+        yield batch, True
     if run.strategy.collective_forward and shared:
         for _ in range(run.world.max(count) - count):
-            yield [tensor[:0] for tensor in batch]
+            yield batch, False

@@ -1,8 +1,9 @@
-"""The demo's models. Each is a class, and a file in configs/model/ that names it with `_target_`.
+"""The examples' models. Each is a class, and a file in configs/model/ that names it with `_target_`.
 
 A model's settings are its constructor's type-annotated parameters: `model.dropout=abc` or a
-misspelt `model.hiden_sizes` is refused before the run starts (components.py). `input_shape` and
-`num_classes` come from the data, to a constructor that asks for them.
+misspelt `model.hiden_sizes` is refused before the run starts (components.py). The data's facts
+(`input_shape` and `num_classes` of the digits, `vocab_size` and `block_size` of a text) come from
+the data, to a constructor that asks for them by name.
 
 Build the whole model in the constructor, any new head or frozen layer included: the runner moves
 the model to the device right after building it, and a submodule created after that move would
@@ -11,7 +12,9 @@ stay on the CPU (the placement audit would stop the run and name it).
 
 import math
 
+import torch
 from torch import nn
+from torch.nn import functional
 
 
 class MLP(nn.Module):
@@ -57,3 +60,53 @@ class CNN(nn.Module):
 
     def forward(self, inputs):
         return self.head(self.body(inputs))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model: token and position embeddings, `depth` transformer blocks
+    of causal self-attention, and a head that gives the logits of the next token at each position,
+    shaped (batch, sequence, vocab_size). Under strategy=fsdp, `strategy.blocks=[Block]` shards
+    each block as a unit."""
+
+    def __init__(
+        self, vocab_size: int, block_size: int, width: int = 64, depth: int = 2, heads: int = 4, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width={width} must be a multiple of heads={heads}")
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(block_size, width)
+        self.blocks = nn.Sequential(*(Block(width, heads, dropout) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.head(self.norm(self.blocks(self.tokens(tokens) + self.positions(positions))))
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention, then a two-layer MLP, each added to its input."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.attention_norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.projection = nn.Linear(width, width)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        # (batch, heads, length, width per head) each, as scaled_dot_product_attention takes them
+        query, key, value = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        dropout = self.dropout if self.training else 0.0
+        attended = functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
+        return self.projection(attended.transpose(1, 2).reshape(batch, length, width))

@@ -2,6 +2,7 @@
 recipe (train.py) in its order, and read by validation and the continuity check."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -17,6 +18,7 @@ from .precision import Scaler
 from .probe import Probe
 from .seeding import RandomState
 from .strategies import Single
+from .tasks import Supervised
 from .tracking import Tracker
 
 
@@ -26,6 +28,7 @@ class Run:
     world: World  # this process among the job's, and its device
     strategy: Single  # how the model is spread over the processes
     data: Data
+    task: Supervised  # what a batch holds for the model, and how its outputs become the loss
     val_loader: DataLoader  # this process's share of the validation set
     model: nn.Module  # what is saved, evaluated and audited (under fsdp, sharded in place)
     wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
@@ -53,5 +56,5 @@ class Run:
     def device(self) -> torch.device:
         return self.world.device
 
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        return to_device(tensor, self.device, self.non_blocking, self.trainer.channels_last)
+    def place(self, batch: Any) -> Any:
+        return to_device(batch, self.device, self.non_blocking, self.trainer.channels_last)

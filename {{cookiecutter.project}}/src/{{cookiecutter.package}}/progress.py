@@ -7,6 +7,7 @@ import logging
 import time
 from datetime import timedelta
 
+import torch
 from tqdm import tqdm
 
 from .config import TrainerConfig
@@ -31,39 +32,42 @@ class Progress:
     def step(self) -> None:
         self.bar.update()
 
-    def report(self, step: int, loss: float, samples_per_s: float) -> None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}")
+    def report(self, step: int, loss: float, rate: float, unit: str) -> None:
+        self.bar.set_postfix({"loss": f"{loss:.4f}", f"{unit}_s": f"{rate:.0f}"})
         now = time.monotonic()
         if not self.lines or now - self.last_line < self.every_s:
             return
         self.last_line = now
         steps_per_s = (step - self.first_step) / max(now - self.started, 1e-9)
         eta = timedelta(seconds=round((self.max_steps - step) / steps_per_s)) if steps_per_s else "?"
-        log.info(f"step {step}/{self.max_steps}: loss {loss:.4f}, {samples_per_s:.0f} samples/s, ETA {eta}")
+        log.info(f"step {step}/{self.max_steps}: loss {loss:.4f}, {rate:.0f} {unit}/s, ETA {eta}")
 
 
 class Throughput:
-    """Samples and steps per second: over the window since the last log, and over the run."""
+    """Steps, and the task's units (samples, tokens), per second: over the window since the last
+    log, and over the run. A count may be a tensor on the device (tokens that are not padding):
+    it is read only when a rate is."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str) -> None:
+        self.unit, self.rate = unit, f"train/{unit}_per_s"
         self.started = self.window_started = time.perf_counter()
-        self.steps = self.samples = self.window_steps = self.window_samples = 0
+        self.steps = self.units = self.window_steps = self.window_units = 0
 
-    def count(self, samples: int) -> None:
-        self.steps, self.samples = self.steps + 1, self.samples + samples
-        self.window_steps, self.window_samples = self.window_steps + 1, self.window_samples + samples
+    def count(self, units: int | torch.Tensor) -> None:
+        self.steps, self.units = self.steps + 1, self.units + units
+        self.window_steps, self.window_units = self.window_steps + 1, self.window_units + units
 
     def window(self) -> dict[str, float]:
         """The window's rates, and a new window."""
         now = time.perf_counter()
         seconds = now - self.window_started
         rates = {
-            "train/samples_per_s": self.window_samples / seconds,
+            self.rate: float(self.window_units) / seconds,
             "train/step_time_ms": 1000 * seconds / self.window_steps,
         }
-        self.window_started, self.window_steps, self.window_samples = now, 0, 0
+        self.window_started, self.window_steps, self.window_units = now, 0, 0
         return rates
 
     def total(self) -> dict[str, float]:
         seconds = time.perf_counter() - self.started
-        return {"train/steps_per_s": self.steps / seconds, "train/samples_per_s": self.samples / seconds}
+        return {"train/steps_per_s": self.steps / seconds, self.rate: float(self.units) / seconds}

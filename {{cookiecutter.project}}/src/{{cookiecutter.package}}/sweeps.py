@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = "mlflow_parent_run_id"
 RESULT_FILE = "job_result.json"
-# The table's columns; every val/<metric> the jobs report goes between these two groups.
+# The table's columns; every val/<metric> the jobs report, then their throughput in the task's
+# unit (train/samples_per_s, train/tokens_per_s), go between these two groups.
 FIRST_COLUMNS = ("job", "status", "train/loss")
-LAST_COLUMNS = ("train/samples_per_s", "continuity", "run_id", "error")
+LAST_COLUMNS = ("continuity", "run_id", "error")
 
 
 @dataclass
@@ -196,7 +197,10 @@ def summary_table(results: list[dict]) -> str:
         return str(value)
 
     scores = sorted({key for result in results for key in result if key.startswith("val/")})
-    columns = (*FIRST_COLUMNS, *scores, *LAST_COLUMNS)
+    rates = sorted(
+        {key for result in results for key in result if key.endswith("_per_s") and key != "train/steps_per_s"}
+    )
+    columns = (*FIRST_COLUMNS, *scores, *rates, *LAST_COLUMNS)
     rows = [columns, *([cell(result, column) for column in columns] for result in results)]
     widths = [max(len(row[index]) for row in rows) for index in range(len(columns))]
     lines = [

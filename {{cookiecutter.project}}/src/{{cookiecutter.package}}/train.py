@@ -116,19 +116,20 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
     the checkpoint `resume=` names (returned), and audited."""
     device, strategy = world.device, strategies.choose(cfg, world)
-    # 3. The data, then the whole model, with any structural change (a new head, frozen layers)
-    #    made in its constructor: the move below carries only the submodules that exist now.
+    # 3. The data, and the task that says what its batches hold for the model; then the whole
+    #    model, with any structural change (a new head, frozen layers) made in its constructor:
+    #    the move below carries only the submodules that exist now. Each is given the data's
+    #    facts that its constructor names (components.py).
     data = components.build("data", cfg.data)
     if not isinstance(data, Data):
         raise RunError(f"data ({cfg.data._target_}) returned a {type(data).__name__}; it must return data.Data")
+    task = components.build("task", cfg.task, **data.facts)
 
     # 4. Model, loss and metrics to the device. Under fsdp the model is built without memory,
     #    sharded, and then given memory on the device, each process only its shard.
-    model = strategy.build(
-        lambda: components.build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    )
-    criterion = components.build("loss", cfg.loss).to(device)
-    metrics = build_metrics(cfg.metrics, data.num_classes, device)
+    model = strategy.build(lambda: components.build("model", cfg.model, **data.facts))
+    criterion = components.build("loss", cfg.loss, **data.facts).to(device)
+    metrics = build_metrics(cfg.metrics, data.facts, device)
 
     # 5. Under strategy=ddp, into DistributedDataParallel, which needs the model on its device
     #    and broadcasts rank 0's weights, so that every rank starts from the same ones.
@@ -142,6 +143,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         world,
         strategy,
         data,
+        task,
         evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device, world),
         model,
         wrapped,
@@ -151,7 +153,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         scheduler,
         build_scaler(cfg.amp, device),
         Position(),
-        Probe(data.val, cfg.checkpoint.continuity.probe_size),
+        Probe(data.val, cfg.checkpoint.continuity.probe_size, cfg.data.batch_size),
         Tracker(cfg.mlflow, home, main=world.is_main),
         RandomState(world, cfg.seed),
     )
@@ -214,14 +216,14 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
-    meter, loss = Throughput(), None
+    meter, loss = Throughput(run.task.unit), None
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
-            loss, grad_norm = train_step(run, micro_batches)
+            loss, grad_norm, counted = train_step(run, micro_batches)
             run.step += 1
             divergence.watch(run.step, loss)
-            meter.count(run.world.size * sum(len(targets) for _, targets in micro_batches))
+            meter.count(run.world.size * counted)
             progress.step()
             if run.step % trainer.log_every_n_steps == 0:
                 divergence.check(checkpoints.on_disk)
@@ -229,7 +231,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 lr = run.optimizer.param_groups[0]["lr"]
                 norm = {} if grad_norm is None else {"train/grad_norm": grad_norm.item()}
                 run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **norm, **rates}, run.step)
-                progress.report(run.step, value, rates["train/samples_per_s"])
+                progress.report(run.step, value, rates[meter.rate], meter.unit)
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
             if run.step % save_every == 0:
@@ -250,15 +252,18 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
 
 
-def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def train_step(run: Run, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None, int | torch.Tensor]:
     """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss over
-    all processes and the norm of the gradients before clipping, measured for a step that will be
-    logged or clipped (else None, as for a step skipped)."""
-    total = None
-    for number, (inputs, targets) in enumerate(micro_batches, start=1):
+    all processes, the norm of the gradients before clipping, measured for a step that will be
+    logged or clipped (else None, as for a step skipped), and the units (samples, tokens) this
+    process trained on."""
+    total, counted = None, 0
+    for number, batch in enumerate(micro_batches, start=1):
+        inputs, targets = run.task.split(run.place(batch))
         with run.strategy.holding_gradients(run.wrapped) if number < len(micro_batches) else contextlib.nullcontext():
             with autocast(run.amp, run.device):
-                loss = run.criterion(run.wrapped(run.place(inputs)), run.place(targets))
+                loss, count = run.task.loss(run.criterion, run.wrapped(inputs), targets)
+            counted += count
             if len(micro_batches) > 1:  # the step's loss is their mean; a division by 1 would still cost an op
                 loss = loss / len(micro_batches)
             run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
@@ -271,7 +276,7 @@ def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> tuple[torch
     if run.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
         run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
-        return total, None
+        return total, None, counted
     norm = None
     if (run.step + 1) % run.trainer.log_every_n_steps == 0 or run.trainer.grad_clip is not None:
         run.scaler.unscale_(run.optimizer)  # the true gradients, not the fp16-scaled ones
@@ -280,7 +285,7 @@ def train_step(run: Run, micro_batches: list[list[torch.Tensor]]) -> tuple[torch
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return total, norm
+    return total, norm, counted
 
 
 def gradient_norm(model: nn.Module, clip: float | None) -> torch.Tensor:
