@@ -91,11 +91,11 @@ def sigterm_at(monkeypatch):
         real_step = recipe.train_step
 
         def step_then_signal(*args):
-            loss = real_step(*args)
+            result = real_step(*args)
             calls.append(1)
             if len(calls) == step:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return loss
+            return result
 
         monkeypatch.setattr(recipe, "train_step", step_then_signal)
 

@@ -69,20 +69,32 @@ class Bilinear(nn.Module):
 OWN = ["model=bilinear", "data=blobs", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100"]
 
 
-@pytest.fixture
-def own(project, tmp_path):
-    """The project, with the package `toys` beside it and a YAML file naming each new component."""
-    package = tmp_path / "packages" / "toys"
+def with_package(project, tmp_path, name: str, source: str, configs: dict[str, str]) -> tuple:
+    """The project, with the package `name` beside it (importable through the environment
+    returned) and a YAML file under configs/ naming each new component."""
+    package = tmp_path / "packages" / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(TOYS)
-    (project / "configs" / "model" / "bilinear.yaml").write_text("_target_: toys.Bilinear\nrank: 8\ndropout: 0.1\n")
-    (project / "configs" / "data" / "blobs.yaml").write_text(
-        "_target_: toys.blobs\nsize: 512\ndim: 6\nbatch_size: 32\n"
-    )
+    (package / "__init__.py").write_text(source)
+    for path, text in configs.items():
+        (project / "configs" / path).write_text(text)
     return project, {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+@pytest.fixture
+def own(project, tmp_path):
+    return with_package(
+        project,
+        tmp_path,
+        "toys",
+        TOYS,
+        {
+            "model/bilinear.yaml": "_target_: toys.Bilinear\nrank: 8\ndropout: 0.1\n",
+            "data/blobs.yaml": "_target_: toys.blobs\nsize: 512\ndim: 6\nbatch_size: 32\n",
+        },
+    )
 
 
 def run(own, *overrides: str) -> subprocess.CompletedProcess:
@@ -183,21 +195,18 @@ REGRESS = [
 
 @pytest.fixture
 def regression(project, tmp_path):
-    """The project, with the package `regress` beside it and one YAML file for each new component."""
-    package = tmp_path / "packages" / "regress"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(REGRESSION)
-    configs = project / "configs"
-    (configs / "data" / "points.yaml").write_text("_target_: regress.points\nsize: 512\nfeatures: 5\nbatch_size: 32\n")
-    (configs / "model" / "regressor.yaml").write_text("_target_: regress.Regressor\nhidden: 16\ndropout: 0.1\n")
-    (configs / "loss" / "mse.yaml").write_text("_target_: torch.nn.MSELoss\n")
-    (configs / "metrics" / "regression.yaml").write_text(
-        "mse:\n  _target_: torchmetrics.MeanSquaredError\nr2:\n  _target_: torchmetrics.R2Score\n"
+    return with_package(
+        project,
+        tmp_path,
+        "regress",
+        REGRESSION,
+        {
+            "data/points.yaml": "_target_: regress.points\nsize: 512\nfeatures: 5\nbatch_size: 32\n",
+            "model/regressor.yaml": "_target_: regress.Regressor\nhidden: 16\ndropout: 0.1\n",
+            "loss/mse.yaml": "_target_: torch.nn.MSELoss\n",
+            "metrics/regression.yaml": "mse:\n  _target_: torchmetrics.MeanSquaredError\nr2:\n  _target_: torchmetrics.R2Score\n",
+        },
     )
-    return project, {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]),
-    }
 
 
 @pytest.mark.slow

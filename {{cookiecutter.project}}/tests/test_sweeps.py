@@ -11,7 +11,7 @@ import yaml
 from conftest import PROJECT, run_cli, start
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job
+from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job, summary_table
 
 pytestmark = pytest.mark.slow
 
@@ -209,3 +209,18 @@ def test_a_named_experiment_sweeps_what_its_file_says(project):
     _, parent, children = sweep_runs(project, "compare-optimizers")
     assert parent.info.status == "FINISHED"
     assert sorted(child.data.params["optimizer._target_"] for child in children.values()) == sorted(OPTIMIZERS.values())
+
+
+def test_the_summary_table_gives_each_job_its_throughput_in_its_tasks_unit():
+    rows = [
+        {"job": "model=mlp", "status": "FINISHED", "train/loss": 0.5, "val/loss": 0.25, "train/samples_per_s": 5230.0},
+        {"job": "experiment=char_lm", "status": "FINISHED", "train/loss": 2.5, "train/tokens_per_s": 14157.0},
+    ]
+    header, _, mlp, lm = (line.split("|")[1:-1] for line in summary_table(rows).splitlines())
+    cells = [{name.strip(): cell.strip() for name, cell in zip(header, row, strict=True)} for row in (mlp, lm)]
+    assert [name.strip() for name in header] == [
+        "job", "status", "train/loss", "val/loss", "train/samples_per_s", "train/tokens_per_s", "continuity", "run_id",
+        "error",
+    ]  # fmt: skip
+    assert (cells[0]["train/samples_per_s"], cells[0]["train/tokens_per_s"]) == ("5,230", "")
+    assert (cells[1]["train/samples_per_s"], cells[1]["train/tokens_per_s"]) == ("", "14,157")

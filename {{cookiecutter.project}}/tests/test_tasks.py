@@ -5,7 +5,6 @@ bit for bit, logs tokens a second, and trains sharded over blocks in bf16."""
 import math
 import signal
 from collections import namedtuple
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from test_sharded import train_alone
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.devices import to_device
+from {{cookiecutter.package}}.errors import RunError
 
 # 624 sequences of 64 characters: 562 to train on, 17 batches of 32 an epoch; step 20 is mid-epoch.
 LM = [
@@ -54,7 +54,7 @@ def test_the_language_model_resumed_after_sigterm_mid_epoch_matches_the_unbroken
     assert client.get_metric_history(resumed["run_id"], "train/samples_per_s") == []
 
 
-# Sequences whose targets are padded (-100, cross-entropy's ignore_index) after 1 to 16 tokens.
+# Sequences whose targets are padded (-100, cross-entropy's ignore_index) after 0 to 16 tokens.
 PADDED = """
 import torch
 from torch.utils.data import TensorDataset
@@ -66,7 +66,7 @@ def padded(count: int = 24, length: int = 16, vocab_size: int = 11) -> Data:
     tokens = torch.randint(0, vocab_size, (count, length + 1), generator=torch.Generator().manual_seed(0))
     targets = tokens[:, 1:].clone()
     for row in range(count):
-        targets[row, row % length + 1 :] = -100
+        targets[row, row % (length + 1) :] = -100
     pairs = TensorDataset(tokens[:, :-1], targets)
     return Data(train=pairs, val=pairs, vocab_size=vocab_size, block_size=length)
 """
@@ -77,7 +77,8 @@ def test_the_validation_loss_of_sequences_is_the_mean_per_token_whatever_the_bat
     make_cfg, tmp_path, monkeypatch, batch_size
 ):
     """Weighted per sequence, batches of 1 would give each sequence's mean the same weight however
-    few tokens it holds; per token, every batch size gives the one mean, which perplexity agrees with."""
+    few tokens it holds (and a sequence of padding alone a NaN); per token, every batch size gives
+    the one mean, which perplexity agrees with."""
     (tmp_path / "sequences.py").write_text(PADDED)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = make_cfg(
@@ -85,9 +86,8 @@ def test_the_validation_loss_of_sequences_is_the_mean_per_token_whatever_the_bat
     )
     with open_dict(cfg):
         cfg.data = {"_target_": "sequences.padded", "batch_size": batch_size}
-        cfg.metrics.perplexity.ignore_index = -100
     result = recipe.train(cfg)
-    # The untrained model's loss over all 204 target tokens of the 24 sequences, computed in one go.
+    # The untrained model's loss over all the target tokens of the 24 sequences, computed in one go.
     import sequences
 
     model = recipe.components.build("model", cfg.model, vocab_size=11, block_size=16)
@@ -99,25 +99,20 @@ def test_the_validation_loss_of_sequences_is_the_mean_per_token_whatever_the_bat
     assert result["val/perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
 
 
-@dataclass
-class Pair:
-    image: torch.Tensor
-    label: torch.Tensor
+Pair = namedtuple("Pair", "image label")
 
 
 def test_a_batch_of_any_structure_of_tensors_is_moved_whole_and_kept_in_its_shape():
-    Named = namedtuple("Named", "x y")
+    """As torch's default collation batches the samples: tuples, namedtuples, lists, dicts, nested."""
     batch = {
         "pair": Pair(torch.zeros(2, 3, 4, 4), torch.zeros(2, dtype=torch.long)),
-        "named": Named(torch.zeros(2), [torch.zeros(1), "text"]),
+        "more": (torch.zeros(2), [torch.zeros(1), "text"]),
         "count": 3,
     }
     moved = to_device(batch, torch.device("meta"), non_blocking=False, channels_last=True)
-    assert isinstance(moved["pair"], Pair) and isinstance(moved["named"], Named)
-    assert [tensor.device.type for tensor in (moved["pair"].image, moved["pair"].label, moved["named"].x)] == [
-        "meta"
-    ] * 3
-    assert moved["named"].y[0].device.type == "meta" and moved["named"].y[1] == "text" and moved["count"] == 3
+    assert isinstance(moved["pair"], Pair) and isinstance(moved["more"], tuple) and isinstance(moved["more"][1], list)
+    assert [tensor.device.type for tensor in (*moved["pair"], moved["more"][0], moved["more"][1][0])] == ["meta"] * 4
+    assert moved["more"][1][1] == "text" and moved["count"] == 3
     assert moved["pair"].image.is_contiguous(memory_format=torch.channels_last)  # images laid out as the model is
 
 
@@ -134,3 +129,41 @@ def test_the_language_model_sharded_over_its_blocks_in_bf16_on_two_processes_res
     assert run.data.tags["strategy"] == "fsdp" and run.data.tags["continuity"] == "ok"
     assert sorted(losses(client, run.info.run_id)) == list(range(1, 31))  # each step once
     assert sorted(losses(client, run.info.run_id, "train/tokens_per_s")) == list(range(1, 31))
+
+
+# Samples that are dicts, for a task left at its default keys (0 and 1).
+DICTS = """
+import torch
+from torch.utils.data import Dataset
+
+from {{cookiecutter.package}}.data import Data
+
+
+class Points(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return {"x": torch.full((4,), float(index)), "y": index % 3}
+
+
+def points() -> Data:
+    return Data(train=Points(), val=Points(), input_shape=(4,), num_classes=3)
+"""
+
+
+def test_a_task_whose_keys_are_not_the_batchs_stops_before_the_first_step_naming_the_keys_to_set(
+    make_cfg, tmp_path, monkeypatch, checkpoint_dir
+):
+    (tmp_path / "dicts.py").write_text(DICTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg()
+    with open_dict(cfg):
+        cfg.data = {"_target_": "dicts.points", "batch_size": 8}
+    with pytest.raises(RunError) as raised:
+        recipe.train(cfg)
+    assert str(raised.value) == (
+        "task ({{cookiecutter.package}}.tasks.Supervised) cannot split the data's batch {'x': (8, 4) float32, 'y': (8,) int64}: 0; "
+        "its keys: x, y, so set task.inputs=<key> task.targets=<key>"
+    )
+    assert not [path for path in checkpoint_dir.iterdir() if path.name.startswith("step_")]

@@ -1,10 +1,10 @@
-"""Components by `_target_`: the data, model, loss, metrics, optimizer and scheduler are each a
-class (or a function) that its YAML file names, built with `hydra.utils.instantiate`.
+"""Components by `_target_`: the data, task, model, loss, metrics, optimizer and scheduler are
+each a class (or a function) that its YAML file names, built with `hydra.utils.instantiate`.
 
 A component's schema is its signature. Before anything is built, every setting is checked against
 the parameters of its `_target_`: a key it does not take is refused with the nearest name, a value
 of the wrong type with the type it needs, a parameter without default that no setting gives is
-named. So adding a model is one class with type-annotated parameters and one YAML file. What only
+named (for the groups given the data's facts, once the data is built and its facts are known). So adding a model is one class with type-annotated parameters and one YAML file. What only
 the run knows is passed at build time, to the parameters that ask for it by name: the data's facts
 (`input_shape`, `num_classes`, `vocab_size`: whatever the data component reports) to the task,
 model, loss and metrics, and the parameters to optimize to the optimizer (RUNTIME).

@@ -50,7 +50,7 @@ class AmpConfig:
 
 @dataclass
 class ContinuityConfig:
-    probe_size: int = MISSING  # validation samples in the fixed probe batch
+    probe_size: int = MISSING  # validation samples in the fixed probe, evaluated in batches of data.batch_size
     rtol: float = MISSING  # allowed relative drift when the device type or AMP dtype changed
     on_mismatch: str = MISSING  # warn | error
 

@@ -35,11 +35,12 @@ def unsaveable(run: Run) -> list[str]:
 
 def check(run: Run, saved: Checkpoint) -> str:
     """Compares the probe loss now with the one stored at save: exactly, on the same device type
-    and AMP setting; within `checkpoint.continuity.rtol` when either changed. Returns the verdict:
+    and AMP setting; within `checkpoint.continuity.rtol` when either changed (or the checkpoint's probe
+    loss was measured by an earlier evaluation, probe.py). Returns the verdict:
     ok, mismatch, or nonfinite when the loss at save was not a number."""
     settings = run.cfg.checkpoint.continuity
     before, now, step = run.probe.saved_loss, measure(run), saved.step
-    same_setup = saved.device_type == run.device.type and saved.amp == setting(run.cfg.amp)
+    same_setup = saved.device_type == run.device.type and saved.amp == setting(run.cfg.amp) and run.probe.measured_alike
     ok = now == before if same_setup else abs(now - before) <= settings.rtol * abs(before)
     # NaN equals nothing, itself included: a NaN loss at save can prove neither continuity nor a
     # break (a finite one at save and NaN now is a break).

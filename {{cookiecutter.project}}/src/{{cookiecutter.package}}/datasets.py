@@ -81,7 +81,10 @@ def python_source(block_size: int, max_chars: int, val_fraction: float) -> Data:
     tokens = torch.tensor([lookup.get(character, UNKNOWN) for character in text], dtype=torch.long)
     count = (len(tokens) - 1) // block_size
     if count < 2:
-        raise ValueError(f"max_chars={max_chars} holds fewer than two sequences of block_size={block_size}")
+        raise ValueError(
+            f"the {len(text)} characters read (max_chars={max_chars}) hold fewer than two sequences of "
+            f"block_size={block_size}"
+        )
     inputs = tokens[: count * block_size].view(count, block_size)
     targets = tokens[1 : count * block_size + 1].view(count, block_size)
     split = count - max(1, int(count * val_fraction))

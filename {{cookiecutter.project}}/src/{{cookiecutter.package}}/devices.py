@@ -1,7 +1,6 @@
 """Which device a run uses, a preflight that fails before anything is built, and the placement
 audit that proves every tensor the first step touches is on that device."""
 
-import dataclasses
 import functools
 import logging
 import platform
@@ -127,17 +126,15 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool, channels_last: bool) -> Any:
-    """A batch to the device whole: a tensor, or a tuple, list, dict or dataclass of them (nested),
-    laid out as the model is (NHWC for images under channels_last); anything else as it is."""
+    """A batch to the device whole: a tensor, or a tuple, namedtuple, list or dict of them (nested:
+    what the loader's collation makes of the samples), laid out as the model is (NHWC for images
+    under channels_last); anything else as it is."""
     if isinstance(batch, torch.Tensor):
         memory_format = torch.channels_last if channels_last and batch.dim() == 4 else torch.preserve_format
         return batch.to(device, non_blocking=non_blocking, memory_format=memory_format)
     place = functools.partial(to_device, device=device, non_blocking=non_blocking, channels_last=channels_last)
     if isinstance(batch, Mapping):
         return {key: place(value) for key, value in batch.items()}
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        moved = {field.name: place(getattr(batch, field.name)) for field in dataclasses.fields(batch) if field.init}
-        return dataclasses.replace(batch, **moved)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
         return type(batch)(*map(place, batch))
     if isinstance(batch, list | tuple):

@@ -44,7 +44,8 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
             continue
         outputs = in_float32(outputs)
         loss, count = run.task.loss(run.criterion, outputs, targets)
-        total.update(loss * count)
+        # A batch with nothing to count (all padding) has a NaN mean: it adds nothing, not NaN.
+        total.update(torch.where(count > 0, loss * count, 0.0) if torch.is_tensor(count) else loss * count)
         units.update(count)
         for metric in metrics.values():
             metric.update(outputs, targets)
@@ -75,11 +76,15 @@ def check_wiring(run: Run) -> None:
 
 def wiring_problem(run: Run, batch: Any) -> str | None:
     """What does not fit in the data -> task -> model -> loss -> metrics chain for one batch, or None."""
-    cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError, KeyError)
+    cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
     try:
         inputs, targets = run.task.split(batch)
     except failures as error:
-        return f"task ({cfg.task._target_}) cannot split the data's batch {shape(batch)}: {first_line(error)}"
+        keys = f"; its keys: {', '.join(map(str, batch))}, so set task.inputs=<key> task.targets=<key>"
+        return (
+            f"task ({cfg.task._target_}) cannot split the data's batch {shape(batch)}: {first_line(error)}"
+            f"{keys if isinstance(batch, dict) else ''}"
+        )
     run.model.eval()
     try:
         with autocast(run.amp, run.device):
@@ -94,7 +99,10 @@ def wiring_problem(run: Run, batch: Any) -> str | None:
         try:
             loss, _ = run.task.loss(run.criterion, outputs, targets)
         except failures as error:
-            return f"loss ({cfg.loss._target_}) does not fit {fit}: {first_line(error)}"
+            return (
+                f"loss ({cfg.loss._target_}) does not fit {fit}: {first_line(error)}; the task ({cfg.task._target_}) "
+                f"applies it to them"
+            )
         if loss.ndim != 0:
             return f"loss ({cfg.loss._target_}) gives a tensor {shape(loss)} for {fit}; it must give one number"
         for name, metric in run.metrics.items():
@@ -136,5 +144,11 @@ def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[tuple[Any, b
         count += 1
         yield batch, True
     if run.strategy.collective_forward and shared:
-        for _ in range(run.world.max(count) - count):
+        missing = run.world.max(count) - count
+        if missing and batch is None:
+            raise RunError(
+                f"this process's share of the validation set is empty, and under strategy={run.cfg.strategy.type} "
+                f"every process takes part in each forward; give validation at least {run.world.size} samples"
+            )
+        for _ in range(missing):
             yield batch, False

@@ -22,6 +22,7 @@ class Probe:
         self.batch_size = batch_size
         self.loss: float | None = None  # at the last save
         self.saved_loss: float | None = None  # in the checkpoint this run resumed from
+        self.measured_alike = True  # whether saved_loss was computed as this run computes the loss
 
     def loader(self, device: DeviceConfig) -> DataLoader:
         """The probe's samples, in the same batches in every process: its loss at save and at
@@ -33,8 +34,10 @@ class Probe:
 
     def load_state_dict(self, state: dict) -> None:
         indices, loss = state["indices"], state["loss"]
-        # A checkpoint that names no batch size evaluated its probe in one batch.
+        # A checkpoint that names no batch size evaluated its probe in one batch, and as a mean of
+        # batch means: its loss may differ from this evaluation's in the last bits.
         batch_size = state.get("batch_size", max(len(indices), 1))
+        self.measured_alike = "batch_size" in state
         if not torch.is_tensor(indices) or not isinstance(loss, float) or type(batch_size) is not int:
             raise ValueError("a probe is a tensor of indices, a float loss and an integer batch size")
         if len(indices) and int(indices.max()) >= len(self.val):

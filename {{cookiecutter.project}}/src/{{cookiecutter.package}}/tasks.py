@@ -3,8 +3,8 @@ the metrics' inputs. It is the one place where the recipe meets the structure of
 classification, a regression over dict batches or a language model is a `task` option (a class
 that configs/task/ names with `_target_`), never an edit of the recipe.
 
-The recipe moves each batch to the device whole (a tuple, a dict or a dataclass of tensors, as the
-data's loader yields it) and then, in training and validation alike:
+The recipe moves each batch to the device whole (a tuple or a dict of tensors, nested as the
+loader collates the samples) and then, in training and validation alike:
 
     inputs, targets = task.split(batch)
     outputs = model(inputs)
