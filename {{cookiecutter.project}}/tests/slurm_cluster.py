@@ -7,6 +7,7 @@ Three partitions on the one node give real preemption: a job in `low` (no grace 
 (60 s between SIGTERM and SIGKILL) is requeued when a job of `high` needs its cores."""
 
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -122,7 +123,13 @@ class Cluster:
         self.until(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", "-p", "low", check=False).stdout, "slurmd")
 
     def stop(self) -> None:
-        """Stops every daemon this cluster started, newest first, and waits for each to end."""
+        """Cancels the jobs left (a test that failed may leave one running, whose job step would
+        outlive the daemons and report to the next cluster's slurmctld as its job of the same id),
+        waits for them to end, then stops every daemon this cluster started, newest first, and
+        waits for each to end."""
+        if any(name == "slurmctld" for name, _ in self._started):
+            self.run("scancel", f"--user={getpass.getuser()}", check=False)
+            self.until(lambda: not self.run("squeue", "--noheader", check=False).stdout.strip(), "the jobs to end")
         for name, pid in reversed(self._started):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

@@ -110,10 +110,12 @@ def test_a_preempted_job_saves_requeues_and_resumes_by_itself(slurm, project, sa
 
 
 def test_a_job_at_its_time_limit_saves_requeues_and_resumes_by_itself(slurm, project, save_gate):
-    """submitit asks SLURM for SIGUSR2 `signal_delay_s` before the limit (here 1 minute, a signal
-    30 s before it); without the run's own handler, submitit's would requeue mid-step, unsaved."""
+    """submitit asks SLURM for SIGUSR2 `signal_delay_s` before the limit (here 2 minutes, a signal
+    30 s before it); without the run's own handler, submitit's would requeue mid-step, unsaved.
+    SLURM sends the warning from a periodic check, up to a minute before the time asked for: under a
+    1-minute limit it came as the job came back, before any handler was set, and killed it."""
     gate = save_gate()
-    limits = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30"]
+    limits = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]
     sweep = start(project, *readme_sweep("low", *limits), env={**gate.env, **slurm.env})
     job = slurm_job(gate.wait(sweep))
     wait_for_log(project, "SIGUSR2 received", sweep)
