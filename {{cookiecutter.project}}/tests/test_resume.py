@@ -172,18 +172,18 @@ def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
     files = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir() if path.name != "run.lock"}
     record = mlflow_record(client, other["run_id"])
     refusal = (
-        " is a checkpoint of the run 'other-run', not of '{}'; continue that run with name=other-run resume=last; "
-        "a new run that starts from its weights is fine-tuning, not a resume"
+        "{path} is a checkpoint of the run 'other-run', not of '{name}'; continue that run with name=other-run "
+        "resume=last, or start this one from its weights with init.checkpoint={path}"
     )
     step_10 = checkpoint_dir / "step_00000010.pt"
     with pytest.raises(RunError) as raised:  # a new name, from one of its checkpoints
         recipe.train(
             make_cfg("name=ft", f"checkpoint.dir={tmp_path / 'ft'}", f"resume={step_10}", "trainer.max_steps=30")
         )
-    assert str(raised.value) == f"{step_10}" + refusal.format("ft")
+    assert str(raised.value) == refusal.format(path=step_10, name="ft")
     with pytest.raises(RunError) as raised:  # a new name on its folder
         recipe.train(make_cfg("name=t6y", "resume=last", "trainer.max_steps=30"))
-    assert str(raised.value) == f"{checkpoint_dir / 'step_00000020.pt'}" + refusal.format("t6y")
+    assert str(raised.value) == refusal.format(path=checkpoint_dir / "step_00000020.pt", name="t6y")
     assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir() if path.name != "run.lock"} == files
     assert mlflow_record(client, other["run_id"]) == record
     assert client.get_experiment_by_name("ft") is None and client.get_experiment_by_name("t6y") is None

@@ -734,7 +734,7 @@ def test_experiments_open_in_the_model_training_view_of_the_mlflow_ui(tmp_path):
 
 @pytest.mark.parametrize(("amp", "tag", "dtype"), [("off", "off", None), ("bf16", "bfloat16", "bfloat16")])
 def test_the_amp_settings_recorded_are_those_that_apply(make_cfg, amp, tag, dtype):
-    params, tags, _ = record(make_cfg(f"amp={amp}"), World(torch.device("cpu")))
+    params, tags, _ = record(make_cfg(f"amp={amp}"), World(torch.device("cpu")), {})
     assert tags["amp"] == tag and params.get("amp.dtype") == dtype
     assert params["amp.enabled"] == str(amp != "off")
 

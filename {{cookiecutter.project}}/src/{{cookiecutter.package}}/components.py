@@ -41,8 +41,12 @@ RUNTIME = {
 # The groups given the data's facts (data.Data), which are known only once the data is built: a
 # parameter without default that no setting gives may be one of them, checked at build time.
 GIVEN_FACTS = ("task", "model", "loss", "metrics")
-# Keys of the `data` group that the runner's DataLoader takes, not its `_target_` (batch_size is required).
-LOADER = {"batch_size": int, "num_workers": int}
+# Keys the runner reads itself, not the `_target_`: the DataLoader's (batch_size is required), and
+# the optimizer's parameter groups (param_groups.py).
+RESERVED = {
+    "data": {"batch_size": int, "num_workers": int},
+    "optimizer": {"lr_multipliers": dict[str, float] | None},
+}
 METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
@@ -112,8 +116,9 @@ def _check(path: str, node: object, runtime: tuple[str, ...]) -> list[str]:
     settings = _settings(node, path)
     where = f"{node._target_}"
     found = []
+    reserved = RESERVED.get(path, {})
+    found += _check_types(path, {key: node[key] for key in reserved if key in node}, reserved)
     if path == "data":
-        found += _check_types(path, {key: node[key] for key in LOADER if key in node}, LOADER)
         found += (
             []
             if "batch_size" in node
@@ -216,7 +221,7 @@ def _type_hints(target: object) -> dict[str, object]:
 def _settings(node: DictConfig, group: str) -> dict[str, object]:
     """The keys that go to the constructor: not Hydra's own (`_target_`; `_partial_`, which
     lightning-hydra-template writes for optimizers, is not needed, since the run passes what it
-    would defer), and for `data` not the loader's."""
-    reserved = LOADER if group == "data" else ()
+    would defer), and not those the runner reads itself (RESERVED)."""
+    reserved = RESERVED.get(group, {})
     values = OmegaConf.to_container(node, resolve=True)
     return {key: value for key, value in values.items() if not key.startswith("_") and key not in reserved}

@@ -90,6 +90,15 @@ class TrainerConfig:
 
 
 @dataclass
+class InitConfig:
+    """A fresh run's starting weights, from another run's checkpoint: fine-tuning (checkpoint/initial.py)."""
+
+    checkpoint: str | None = None  # a checkpoint file or folder, <home>/latest, or a run name; null: as built
+    ignore: list[str] = field(default_factory=list)  # globs of model keys not loaded: they keep their new values
+    freeze: list[str] = field(default_factory=list)  # globs of parameters that do not train (param_groups.py)
+
+
+@dataclass
 class StrategyConfig:
     type: str = MISSING  # single: one process | ddp, fsdp: one per device, started by torchrun (distributed.py)
     find_unused_parameters: bool = False  # ddp: for models whose forward skips some parameters
@@ -106,6 +115,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     # Components, each a `_target_` and its settings, checked against its signature (components.py).
     data: Any = MISSING
     task: Any = MISSING  # what a batch holds for the model, and how its outputs become the loss (tasks.py)

@@ -2,6 +2,7 @@
 MLflow shows it (params, tags, the config artifact); a checkpoint keeps the config and versions."""
 
 import platform
+import re
 import subprocess
 
 import numpy as np
@@ -13,10 +14,13 @@ from .data import global_batch
 from .devices import describe
 from .distributed import World
 
+PARAM_NAME = re.compile(r"[\w\-. /]+")  # what MLflow admits in a param's name
 
-def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str], str]:
+
+def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict[str, str], dict[str, str], str]:
     """What a run records of itself: every setting as a param, where and how it really ran as
-    tags (what the MLflow UI needs to compare runs), and the resolved config."""
+    tags (what the MLflow UI needs to compare runs), with the tags of its `lineage` (where its
+    weights came from: checkpoint/initial.py), and the resolved config."""
     device = world.device
     tags = {
         "strategy": cfg.strategy.type,
@@ -32,6 +36,7 @@ def record(cfg: DictConfig, world: World) -> tuple[dict[str, str], dict[str, str
         "ipex": str(cfg.device.ipex).lower(),
 {%- endif %}
     }
+    tags.update(lineage)
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     params = {
@@ -57,9 +62,11 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """One param per setting; a mapping whose keys are not names (the globs of
+    optimizer.lr_multipliers), as one value: MLflow refuses `*` in a param's name."""
     flat: dict[str, str] = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and all(PARAM_NAME.fullmatch(str(name)) for name in value):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = str(value)

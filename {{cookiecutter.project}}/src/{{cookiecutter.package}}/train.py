@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import components, continuity, distributed, restarts, strategies
+from . import components, continuity, distributed, param_groups, restarts, strategies
+from .checkpoint import initial
 from .checkpoint.home import claim
 from .checkpoint.manager import Checkpointer
 from .checkpoint.schema import Checkpoint
@@ -85,7 +86,7 @@ def train_in(cfg: Config, world: World) -> dict:
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status = "FAILED"
         with Preemption() as preemption:
-            run.tracker.open(*record(cfg, world), checkpoint=found.path if found else None)
+            run.tracker.open(*record(cfg, world, initial.tags(checkpoints.source)), checkpoint=found and found.path)
             try:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
@@ -117,9 +118,9 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     the checkpoint `resume=` names (returned), and audited."""
     device, strategy = world.device, strategies.choose(cfg, world)
     # 3. The data, and the task that says what its batches hold for the model; then the whole
-    #    model, with any structural change (a new head, frozen layers) made in its constructor:
-    #    the move below carries only the submodules that exist now. Each is given the data's
-    #    facts that its constructor names (components.py).
+    #    model, with any structural change (a new head) made in its constructor: the move below
+    #    carries only the submodules that exist now. Each is given the data's facts that its
+    #    constructor names (components.py).
     data = components.build("data", cfg.data)
     if not isinstance(data, Data):
         raise RunError(f"data ({cfg.data._target_}) returned a {type(data).__name__}; it must return data.Data")
@@ -131,12 +132,15 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     criterion = components.build("loss", cfg.loss, **data.facts).to(device)
     metrics = build_metrics(cfg.metrics, data.facts, device)
 
-    # 5. Under strategy=ddp, into DistributedDataParallel, which needs the model on its device
-    #    and broadcasts rank 0's weights, so that every rank starts from the same ones.
+    # 5. The layers that do not train (init.freeze), frozen before DistributedDataParallel, which
+    #    averages the gradients of the parameters that train when it wraps, and broadcasts rank
+    #    0's weights, so that every rank starts from the same ones.
+    param_groups.freeze(model, cfg.init.freeze)
     wrapped = strategy.wrap(model)
 
-    # 6. Optimizer, scheduler and scaler, built on parameters that are already placed.
-    optimizer = components.build("optimizer", cfg.optimizer, params=[p for p in model.parameters() if p.requires_grad])
+    # 6. Optimizer, scheduler and scaler, built on parameters that are already placed; the
+    #    optimizer's groups by optimizer.lr_multipliers (param_groups.py).
+    optimizer = param_groups.build_optimizer(cfg.optimizer, model)
     scheduler = components.build("scheduler", cfg.scheduler, optimizer=optimizer)
     run = Run(
         cfg,
@@ -185,6 +189,11 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     found = checkpoints.restore(cfg.resume)
     if found is not None:
         run.step = found.step
+    # 7b. Or, fine-tuning: a fresh run from another run's model weights (init.checkpoint), copied
+    #     into the placed model; its optimizer, step and MLflow run are not this run's. A run with
+    #     checkpoints of its own resumed from them above, and never reads the source again.
+    elif cfg.init.checkpoint is not None:
+        checkpoints.start_from()
 
     # 8. Optimize for the device after the restore, so that it starts from the restored state.
 {%- if cookiecutter.ipex %}
@@ -199,9 +208,10 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     if cfg.trainer.compile:
         run.model.compile()  # in place: state_dict keys stay those of the plain model
 
-    # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device;
-    #    then one batch through model, loss and metrics, so a part that does not fit the others
-    #    stops the run now, before MLflow or a checkpoint hears of it.
+    # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device
+    #    (again after the first step, in `fit`); then one batch through model, loss and metrics,
+    #    so a part that does not fit the others stops the run now, before MLflow or a checkpoint
+    #    hears of it.
     audit_placement(device, run.model, run.optimizer, run.scaler)
     check_wiring(run)
     return run, checkpoints, found
@@ -216,11 +226,13 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
-    meter, loss = Throughput(run.task.unit), None
+    meter, loss, first = Throughput(run.task.unit), None, run.step
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss, grad_norm, counted = train_step(run, micro_batches)
+            if run.step == first:  # the optimizer's state exists now, and so does a layer built in forward
+                audit_placement(run.device, run.model, run.optimizer, run.scaler)
             run.step += 1
             divergence.watch(run.step, loss)
             meter.count(run.world.size * counted)
@@ -228,9 +240,9 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
             if run.step % trainer.log_every_n_steps == 0:
                 divergence.check(checkpoints.on_disk)
                 value, rates = loss.item(), meter.window()
-                lr = run.optimizer.param_groups[0]["lr"]
+                lrs = param_groups.learning_rates(run.optimizer)
                 norm = {} if grad_norm is None else {"train/grad_norm": grad_norm.item()}
-                run.tracker.log_metrics({"train/loss": value, "train/lr": lr, **norm, **rates}, run.step)
+                run.tracker.log_metrics({"train/loss": value, **lrs, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)

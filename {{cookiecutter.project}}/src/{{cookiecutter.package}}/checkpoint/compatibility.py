@@ -24,6 +24,7 @@ def check_fits(saved: Checkpoint, cfg: DictConfig, model: nn.Module) -> None:
             f"the checkpoint was trained with optimizer {before}, this run asks for {now}; resume with the "
             f"optimizer it was trained with, or start a new run with name=<new name>"
         )
+    check_same_groups(saved, cfg)
     check_model_fits(model, saved_shapes(saved))
 
 
@@ -34,8 +35,27 @@ def check_same_run(saved: Checkpoint, name: str) -> None:
     if saved_name != name:
         raise RunError(
             f"{saved.path} is a checkpoint of the run {saved_name!r}, not of {name!r}; continue that run with "
-            f"name={saved_name} resume=last; a new run that starts from its weights is fine-tuning, not a resume"
+            f"name={saved_name} resume=last, or start this one from its weights with init.checkpoint={saved.path}"
         )
+
+
+def check_same_groups(saved: Checkpoint, cfg: DictConfig) -> None:
+    """The optimizer's state is kept by parameter group, and the groups are made by these globs: a
+    resume that changes them would give each parameter another's state."""
+    grouping = {
+        "init.freeze": (saved.setting("init", "freeze") or [], list(cfg.init.freeze)),
+        "optimizer.lr_multipliers": (
+            list(saved.setting("optimizer", "lr_multipliers") or {}),
+            list(cfg.optimizer.get("lr_multipliers") or {}),
+        ),
+    }
+    for key, (before, now) in grouping.items():
+        if before != now:
+            raise RunError(
+                f"the checkpoint was trained with the {key} globs {before}, this run asks for {now}, and its "
+                f"optimizer state is grouped by them; resume with the same globs, or start a new run from its weights "
+                f"with name=<new name> init.checkpoint={saved.path}"
+            )
 
 
 def saved_shapes(saved: Checkpoint) -> dict[str, tuple[int, ...]]:
@@ -48,22 +68,40 @@ def saved_shapes(saved: Checkpoint) -> dict[str, tuple[int, ...]]:
 
 
 def check_model_fits(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
-    current = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    missing = sorted(current.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - current.keys())
-    reshaped = [
-        f"{key} {saved[key]} in the checkpoint vs {current[key]} now"
-        for key in sorted(current.keys() & saved.keys())
-        if saved[key] != current[key]
-    ]
-    problems = [f"missing from the checkpoint: {', '.join(missing)}"] if missing else []
-    problems += [f"not in this model: {', '.join(unexpected)}"] if unexpected else []
-    problems += [f"shape mismatch: {'; '.join(reshaped)}"] if reshaped else []
-    if problems:
+    if problems := mismatches(shapes_of(model), saved)[0]:
         raise RunError(
-            f"the checkpoint does not fit this model ({' | '.join(problems)}); resume with the model "
-            f"settings it was trained with, or start a new run with name=<new name>"
+            f"the checkpoint does not fit this model ({problems}); resume with the model settings it was trained "
+            f"with, or start a new run with name=<new name>"
         )
+
+
+def shapes_of(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The model's tensors and their whole shapes (of a sharded one too)."""
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+LISTED = 8  # keys named per kind of mismatch; the rest are counted
+
+
+def mismatches(
+    built: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], ignored: set[str] = frozenset()
+) -> tuple[str, list[str]]:
+    """The keys, but `ignored`, that do not meet their twin in name and shape: said by kind (empty
+    when all fit), and listed."""
+    missing = sorted(built.keys() - saved.keys() - ignored)
+    unexpected = sorted(saved.keys() - built.keys() - ignored)
+    reshaped = sorted(key for key in (built.keys() & saved.keys()) - ignored if built[key] != saved[key])
+    problems = [f"missing from the checkpoint: {_listed(missing)}"] if missing else []
+    problems += [f"not in this model: {_listed(unexpected)}"] if unexpected else []
+    if reshaped:
+        shapes = [f"{key} {saved[key]} in the checkpoint vs {built[key]} now" for key in reshaped]
+        problems.append(f"shape mismatch: {_listed(shapes, '; ')}")
+    return " | ".join(problems), missing + unexpected + reshaped
+
+
+def _listed(keys: list[str], between: str = ", ") -> str:
+    more = len(keys) - LISTED
+    return between.join(keys[:LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
 def report_changes(saved: Checkpoint, cfg: DictConfig, device: torch.device) -> None:

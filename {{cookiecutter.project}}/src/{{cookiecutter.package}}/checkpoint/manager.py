@@ -1,5 +1,5 @@
 """The run's checkpoints, owned by one object the recipe hands its parts to: it restores them from
-what `resume=` names, saves them on schedule (in the background with `checkpoint.async_save`),
+what `resume=` names, or starts a fresh model from another run's weights (`init.checkpoint`), saves them on schedule (in the background with `checkpoint.async_save`),
 and makes the last save, which must succeed. The recipe knows nothing of files, shards, seals or
 writer threads; which format a save takes is decided here, by the strategy, and nowhere else.
 """
@@ -19,7 +19,7 @@ from ..precision import setting
 from ..provenance import library_versions
 from ..schedulers import hyperparameters, keep_configured
 from ..strategies import Single
-from . import compatibility, onefile
+from . import compatibility, initial, onefile
 from .background import Snapshot, Writer
 from .home import path_of, set_aside_newer
 from .resume import find, load
@@ -58,6 +58,7 @@ class Checkpointer:
         self.home, self.settings = Path(cfg.checkpoint.dir), cfg.checkpoint
         self._ready, self._on_saved = ready, saved
         self.newest: Path | None = None  # this run's newest checkpoint on disk, or the one it resumed from
+        self.source: dict | None = None  # the checkpoint of another run its weights started from (initial.lineage)
         self.failed: SaveError | None = None
         # In the background, the one file is rank 0's to write; shards, every process's.
         self._background = self.settings.async_save
@@ -114,9 +115,28 @@ class Checkpointer:
         saved_lr = optimizer.param_groups[0]["lr"]
         keep_configured(optimizer, scheduler, configured)
         compatibility.report_lr_move(saved, saved_lr, optimizer.param_groups[0]["lr"], self.cfg)
-        self.newest = saved.path
+        self.newest, self.source = saved.path, saved.state.get("source")
         self.world.on_main(lambda: self._set_aside_newer(saved.step))
         return saved
+
+    def start_from(self) -> None:
+        """A fresh run's model weights from the checkpoint `init.checkpoint` names (fine-tuning), as
+        rank 0 finds and checks it, into the model where it is; nothing else of it is loaded."""
+        found = None
+
+        def locate() -> Path:
+            nonlocal found
+            found = initial.find(self.cfg)
+            return found.path
+
+        path = self.world.on_main(locate)
+        saved = found if self.world.is_main else load(path, verify=False)
+        model = self.parts["model"]
+        ignored = initial.load_weights(model, saved, list(self.cfg.init.ignore), self.strategy.shards)
+        frozen = sum(not parameter.requires_grad for parameter in model.parameters())
+        self.source = initial.lineage(saved, ignored, frozen)
+        kept = f"; {len(ignored)} key(s) kept as built ({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})"
+        log.info(f"starting from the weights of {saved.path} (step {saved.step}){kept if ignored else ''}")
 
     def _load(self, saved: Checkpoint) -> None:
         """A sharded checkpoint loads on any number of processes; a one-file checkpoint into a
@@ -216,6 +236,7 @@ class Checkpointer:
             "device": {"type": self.world.device.type, "name": describe(self.world.device)},
             "amp": setting(self.cfg.amp),
             "versions": library_versions(),
+            "source": self.source,
             **{name: part.state_dict() for name, part in self.parts.items() if name not in in_shards},
         }
 

@@ -78,6 +78,16 @@ def read(path: Path, verify: bool) -> object:
     return state
 
 
+def seal(path: Path) -> str:
+    """The file's identity, `crc32c:<hex>`: its seal (no byte read but the archive's end), or, for
+    a file that ends otherwise, the CRC-32C of all its bytes."""
+    with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
+        if found := SEAL.fullmatch(archive.comment):
+            return f"crc32c:{found[1].decode()}"
+    with mapped(path) as view:
+        return f"crc32c:{checksum(view):08x}"
+
+
 def _check(path: Path) -> None:
     """The file against the checksums written at save: the seal over all its bytes, or, in a file
     that ends otherwise, each record's CRC-32 that torch.save stores (uncompressed zip records)."""

@@ -49,7 +49,7 @@ def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | No
         if found is None:
             log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
         return found
-    path = Path(resume).expanduser().resolve()
+    path = home_named(Path(resume).expanduser().resolve())
     if path.is_dir() and not (path / schema.STATE).exists():
         found = newest_valid(path, verify)
         if found is None:
@@ -60,6 +60,12 @@ def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | No
     if path.exists():
         return load(path, verify)
     raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
+
+
+def home_named(path: Path) -> Path:
+    """`<home>/latest`, the pointer to a home's newest save, stands for the home, whose newest
+    valid checkpoint is read: the pointer may name one that is damaged."""
+    return path.parent if path.name == homes.POINTER and path.is_file() else path
 
 
 def newest_valid(home: Path, verify: bool = True) -> Checkpoint | None:

@@ -62,6 +62,8 @@ def _problems(state: dict, parts: dict[str, tuple[str, ...]], meta: dict[str, ty
         problems.append(f"step={state['step']!r} is not a count")
     if not isinstance(state["device"].get("type"), str):
         problems.append("device.type is missing")
+    if not isinstance(state.get("source"), dict | None):  # absent before fine-tuning was
+        problems.append(f"source is a {type(state['source']).__name__}")
     if odd := [key for key, value in state.get("model", {}).items() if not torch.is_tensor(value)]:
         problems.append(f"model holds non-tensors at {', '.join(map(str, odd[:3]))}")
     return problems

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -216,9 +217,10 @@ def load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: schema.
 def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, saved_model: dict, saved_optimizer: dict) -> None:
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, saved_model, options=whole)
-    # The file keys the optimizer's state by parameter number, in the order the optimizer was given
-    # the parameters (those that train, in model order); torch's sharded loader wants their names.
-    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    # The file keys the optimizer's state by parameter number, in the order of the optimizer's
+    # groups (param_groups.py); torch's sharded loader wants their names.
+    name_of = {param: name for name, param in model.named_parameters()}
+    names = [name_of[param] for group in optimizer.param_groups for param in group["params"]]
     by_name = {
         "state": {names[number]: value for number, value in saved_optimizer["state"].items()},
         "param_groups": [
@@ -226,6 +228,21 @@ def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, saved_model:
         ],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=whole)
+
+
+def load_model(model: nn.Module, saved: schema.Checkpoint, ignored: set[str]) -> None:
+    """The model weights of `saved` but the keys `ignored` (fine-tuning: checkpoint/initial.py),
+    into a model that may be sharded, on every process at once; the optimizer's are not read."""
+    if not saved.sharded:
+        weights = {key: value for key, value in saved.part("model").items() if key not in ignored}
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    state = {key: value for key, value in get_model_state_dict(model).items() if key not in ignored}
+    try:
+        dcp.load({"model": state}, storage_reader=SafeReader(saved.path), planner=SafePlanner())
+    except CheckpointException as error:
+        _refuse(saved.path, f"its shards do not load ({first_cause(error)})")
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def first_cause(error: CheckpointException) -> str:

@@ -1,0 +1,110 @@
+"""Which parameters train, and at which multiple of the learning rate: `init.freeze` and
+`optimizer.lr_multipliers`, applied to the model's parameters by name (fnmatch globs, in which `*`
+also crosses dots: `body.*` is every parameter under `body`).
+
+A frozen parameter gets `requires_grad=False` and stays out of the optimizer, so it holds no
+optimizer state. Each glob of `lr_multipliers` makes a parameter group, named after the glob, at
+that multiple of `optimizer.lr`; the schedule scales every group alike, and each group's lr is
+logged as `train/lr/<group>`, beside `train/lr`, the configured lr as the schedule sets it. The
+groups are made from the config at every start, a resume included, so that the restored optimizer
+state meets the same groups.
+"""
+
+import fnmatch
+import math
+import re
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from . import components
+from .errors import RunError
+
+MULTIPLIER = "lr_multiplier"  # kept in each param group, and so in its state_dict
+NAME = "name"
+
+
+def matching(names: list[str], glob: str) -> list[str]:
+    return [name for name in names if fnmatch.fnmatchcase(name, glob)]
+
+
+def freeze(model: nn.Module, globs: list[str]) -> int:
+    """Stops the parameters that `globs` match from training; returns how many they are. A glob that
+    matches none is refused: a misspelt one would leave the layers it meant training."""
+    names = [name for name, _ in model.named_parameters()]
+    frozen = set()
+    for glob in globs:
+        if not (found := matching(names, glob)):
+            raise RunError(f"init.freeze: {glob} matches no parameter of the model ({_some(names)}); fix the glob")
+        frozen.update(found)
+    for name, parameter in model.named_parameters():
+        if name in frozen:
+            parameter.requires_grad_(False)
+    return len(frozen)
+
+
+def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `cfg` (the optimizer group) names, over the model's parameters that train:
+    one group per glob of `cfg.lr_multipliers` (the first glob that matches a parameter takes it),
+    at its multiple of the configured lr, then the rest at the configured lr."""
+    given = cfg.get("lr_multipliers")
+    multipliers = OmegaConf.to_container(given) if isinstance(given, DictConfig) else {}
+    training = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    names = [name for name, _ in training]
+    taken: dict[str, str] = {}  # parameter name -> the glob that took it
+    for glob, multiplier in multipliers.items():
+        if not (isinstance(multiplier, int | float) and math.isfinite(multiplier) and multiplier > 0):
+            raise RunError(
+                f"optimizer.lr_multipliers: {glob}: {multiplier} must be a positive number; to stop parameters "
+                f"from training, use init.freeze=[{glob}]"
+            )
+        found = [name for name in matching(names, glob) if name not in taken]
+        if not found:
+            raise RunError(
+                f"optimizer.lr_multipliers: {glob} matches no parameter that trains and no earlier glob took "
+                f"({_some(names)}); fix the glob"
+            )
+        taken.update(dict.fromkeys(found, glob))
+    rest = [parameter for name, parameter in training if name not in taken]
+    groups = [{"params": rest, NAME: "rest", MULTIPLIER: 1.0}] if rest else []
+    groups += [
+        {
+            "params": [parameter for name, parameter in training if taken.get(name) == glob],
+            NAME: group_name(glob),
+            MULTIPLIER: float(multiplier),
+        }
+        for glob, multiplier in multipliers.items()
+    ]
+    if not groups:
+        raise RunError("every parameter of the model is frozen (init.freeze): nothing would train; freeze fewer")
+    named = [group[NAME] for group in groups]
+    if clash := next((name for name in named if named.count(name) > 1), None):
+        raise RunError(
+            f"optimizer.lr_multipliers: two groups would both be logged as train/lr/{clash}; give the globs "
+            f"distinct names"
+        )
+    optimizer = components.build("optimizer", cfg, params=groups)
+    for group in optimizer.param_groups:  # before the scheduler records each group's initial lr
+        group["lr"] = group["lr"] * group[MULTIPLIER]
+    return optimizer
+
+
+def group_name(glob: str) -> str:
+    """The glob as an MLflow metric name can hold it: `body.*` is `body`."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", re.sub(r"\.?\*+$", "", glob)) or "all"
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """`train/lr`, the configured lr as the schedule sets it now, and, where groups have their
+    own multiples of it, `train/lr/<group>` for each."""
+    groups = optimizer.param_groups
+    first = groups[0]
+    rates = {"train/lr": float(first["lr"]) / first.get(MULTIPLIER, 1.0)}
+    if len(groups) > 1:
+        rates.update({f"train/lr/{group[NAME]}": float(group["lr"]) for group in groups})
+    return rates
+
+
+def _some(names: list[str]) -> str:
+    return f"it has {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
