@@ -8,14 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import losses, run_cli
+from mlflow import MlflowClient
 from test_distributed import CPU, finished, torchrun
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from {{cookiecutter.package}} import param_groups
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint import sharded
 from {{cookiecutter.package}}.checkpoint.onefile import seal
 from {{cookiecutter.package}}.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.checkpoint.schema import Checkpoint
 from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.models import MLP
 
@@ -151,7 +156,8 @@ def test_a_source_of_another_model_is_refused_naming_every_mismatch_and_nothing_
             "optimizer.lr_multipliers={body.1*: 0.1, body.1.*: 0.2, head*: 1}",
             "optimizer.lr_multipliers: body.1.* matches no parameter that trains and no earlier glob took",
         ),
-        ("init.checkpoint=nobody", "init.checkpoint=nobody: no such file or folder, and no run of that name has"),
+        ("init.checkpoint=nobody", "init.checkpoint=nobody: no such file or folder; pass the name of a run with"),
+        ("init.ignore=[*]", "init.ignore keeps every key of the model as built: nothing of "),
     ],
 )
 def test_a_glob_or_a_source_that_names_nothing_is_refused_before_anything_is_written(train, homes, setting, said):
@@ -167,12 +173,56 @@ def test_two_globs_that_would_log_their_lr_under_one_name_are_refused(train):
         train("name=ft-names", layers, "optimizer.lr_multipliers={body.?.*: 0.1, body.??.*: 0.2}", QUIET)
 
 
-def test_a_resume_that_regroups_the_optimizer_is_refused_and_offers_a_fine_tune(train, homes):
-    train("name=grouped", "optimizer.lr_multipliers={body.*: 0.1}", "trainer.max_steps=10", QUIET)
+def test_a_resume_that_regroups_the_optimizer_is_refused_and_one_with_new_multiples_applies_them(train, client):
+    first = train("name=grouped", "optimizer.lr_multipliers={body.*: 0.1}", "trainer.max_steps=10")
     with pytest.raises(RunError, match=r"trained with the optimizer.lr_multipliers globs \['body.\*'\], this run asks"):
         train("name=grouped", "trainer.max_steps=20", "resume=last", QUIET)
-    resumed = train("name=grouped", "optimizer.lr_multipliers={body.*: 0.5}", "trainer.max_steps=20", "resume=last")
-    assert resumed["step"] == 20, "a new multiple for the same groups is a new lr, which a resume may change"
+    train("name=grouped", "optimizer.lr_multipliers={body.*: 0.5}", "trainer.max_steps=20", "resume=last")
+    rest, body = (losses(client, first["run_id"], f"train/lr/{group}") for group in ("rest", "body"))
+    for step in range(1, 21):
+        multiple = 0.1 if step <= 10 else 0.5  # the new multiple of the same schedule, not compounded
+        assert body[step][0] == pytest.approx(multiple * rest[step][0], rel=1e-12), step
+
+
+def test_a_single_group_at_its_own_multiple_logs_its_lr(train, client):
+    result = train(
+        "name=head-only", "init.freeze=[body.*]", "optimizer.lr_multipliers={head.*: 2}", "trainer.max_steps=5"
+    )
+    head, lr = losses(client, result["run_id"], "train/lr/head"), losses(client, result["run_id"], "train/lr")
+    assert sorted(head) == list(range(1, 6))
+    assert all(head[step][0] == pytest.approx(2 * lr[step][0], rel=1e-12) for step in head)
+
+
+def test_a_source_among_this_runs_own_checkpoints_is_refused(train, homes):
+    train("name=base", "trainer.max_steps=10", QUIET)
+    before = sorted(path.name for path in (homes / "base").iterdir())
+    for source in ("base", str(homes / "base" / "latest"), str(homes / "base" / "step_00000010.pt")):
+        with pytest.raises(RunError, match=r"names this run's own checkpoints .*; a fine-tune is a run of its own"):
+            train("name=base", f"init.checkpoint={source}", "resume=auto", "trainer.max_steps=20", QUIET)
+    assert sorted(path.name for path in (homes / "base").iterdir()) == before
+
+
+def test_a_plain_name_is_a_runs_before_it_is_a_folder_of_the_working_directory(train, homes, tmp_path, monkeypatch):
+    train("name=src", "trainer.max_steps=10", QUIET)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()  # as in a project: its package folder
+    tuned = train("name=from-src", "init.checkpoint=src", "trainer.max_steps=10", QUIET)
+    assert tuned["step"] == 10
+    assert newest_valid(homes / "from-src").state["source"]["checkpoint"] == str(homes / "src" / "step_00000010.pt")
+
+
+def test_an_optimizer_in_groups_loads_a_sharded_checkpoint_of_groups_without_their_names(tmp_path, make_cfg):
+    """A folder written before the groups had names and multiples (or by a plain optimizer) still loads:
+    the config, not the checkpoint, gives the hyperparameters."""
+    model = MLP([1, 8, 8], 10, [16])
+    plain = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    plain.step()
+    dcp.save(sharded.shards_of(model, plain), checkpoint_id=tmp_path / "old")
+    model.zero_grad(set_to_none=True)  # as a run restores: before any backward
+    grouped = param_groups.build_optimizer(make_cfg().optimizer, model)
+    sharded.load_into(model, grouped, Checkpoint(tmp_path / "old", {"shards": {}}))
+    assert torch.equal(grouped.state[model.head.weight]["exp_avg"], plain.state[model.head.weight]["exp_avg"])
 
 
 class GrowsALayer(MLP):
@@ -191,37 +241,65 @@ def test_a_layer_built_during_the_first_step_is_caught_by_the_audit_after_it(tra
     assert newest_valid(homes / "grows") is None
 
 
+def whole(folder: Path, scratch: Path) -> dict:
+    """A sharded checkpoint's model and optimizer as one dict, by torch's own converter."""
+    dcp_to_torch_save(folder, scratch / f"{folder.parent.name}.pt")
+    return torch.load(scratch / f"{folder.parent.name}.pt", weights_only=False)
+
+
 @pytest.mark.slow
 def test_a_sharded_checkpoint_of_two_processes_starts_one_process_and_two_under_ddp_and_back_under_fsdp(
     project, tmp_path
 ):
-    def whole(folder: Path) -> dict[str, torch.Tensor]:
-        dcp_to_torch_save(folder, tmp_path / f"{folder.parent.name}.pt")
-        return torch.load(tmp_path / f"{folder.parent.name}.pt", weights_only=False)["model"]
-
-    finished(torchrun(project, "name=big", "trainer.max_steps=10", strategy="fsdp"))
-    weights = whole(project / "checkpoints" / "big" / "step_00000010")
-    alone = run_cli(project, *CPU, "name=alone", "init.checkpoint=big", "trainer.max_steps=0")
-    assert alone.returncode == 0, alone.stderr
-    finished(torchrun(project, "name=pair", "init.checkpoint=checkpoints/big/latest", "trainer.max_steps=0"))
-    # and a one-file checkpoint into shards
-    finished(torchrun(project, "name=sharded", "init.checkpoint=pair", "trainer.max_steps=0", strategy="fsdp"))
     homes = project / "checkpoints"
-    for started in (
-        torch.load(homes / "alone" / "step_00000000.pt", weights_only=True)["model"],
-        torch.load(homes / "pair" / "step_00000000.pt", weights_only=True)["model"],
-        whole(homes / "sharded" / "step_00000000"),
+    finished(torchrun(project, "name=big", "trainer.max_steps=10", strategy="fsdp"))
+    weights = whole(homes / "big" / "step_00000010", tmp_path)["model"]
+    for name, source in (("alone", "big"), ("built", "null")):
+        alone = run_cli(project, *CPU, f"name={name}", f"init.checkpoint={source}", "trainer.max_steps=0")
+        assert alone.returncode == 0, alone.stderr
+    finished(torchrun(project, "name=pair", "init.checkpoint=checkpoints/big/latest", "trainer.max_steps=0"))
+    # and a one-file checkpoint into shards, its new head as a fresh run builds it
+    new_head = ["name=sharded", "init.checkpoint=pair", "init.ignore=[head.*]", "trainer.max_steps=0"]
+    finished(torchrun(project, *new_head, strategy="fsdp"))
+    built = torch.load(homes / "built" / "step_00000000.pt", weights_only=True)["model"]
+    for name, started in (
+        ("alone", torch.load(homes / "alone" / "step_00000000.pt", weights_only=True)["model"]),
+        ("pair", torch.load(homes / "pair" / "step_00000000.pt", weights_only=True)["model"]),
+        ("sharded", whole(homes / "sharded" / "step_00000000", tmp_path)["model"]),
     ):
         assert started.keys() == weights.keys()
         for key, tensor in started.items():
-            assert torch.equal(tensor, weights[key]), key
+            expected = built[key] if name == "sharded" and key.startswith("head.") else weights[key]
+            assert torch.equal(tensor, expected), (name, key)
 
 
 @pytest.mark.slow
-def test_an_optimizer_in_groups_resumes_from_one_file_under_fsdp_and_back(project):
+def test_an_optimizer_in_groups_resumes_from_one_file_under_fsdp_with_each_state_on_its_parameter(project, tmp_path):
     """The one file numbers the optimizer's parameters in the order of its groups, not the model's."""
+    home = project / "checkpoints" / "grouped"
     groups = ["name=grouped", *CPU, "optimizer.lr_multipliers={body.1.*: 0.1}"]
-    for strategy, steps in (("single", 10), ("fsdp", 20), ("single", 30)):
+    for strategy, steps in (("single", 10), ("fsdp", 10), ("single", 20)):
         result = run_cli(project, *groups, f"strategy={strategy}", f"trainer.max_steps={steps}", "resume=auto")
         assert result.returncode == 0, result.stderr
-        assert steps == 10 or f"resumed at step {steps - 10} on cpu" in result.stdout + result.stderr
+    one_file = torch.load(home / "step_00000010.pt", weights_only=True)["optimizer"]
+    numbered = [name for group in ("rest", "body") for name in NAMES[group]]
+    assert [group["params"] for group in one_file["param_groups"]] == [[0, 1, 2, 3], [4, 5]]
+    resharded = whole(home / "step_00000010", tmp_path)["optimizer"]["state"]
+    for number, name in enumerate(numbered):
+        assert torch.equal(resharded[name]["exp_avg"], one_file["state"][number]["exp_avg"]), name
+
+
+NAMES = {"rest": ["body.4.weight", "body.4.bias", "head.weight", "head.bias"], "body": ["body.1.weight", "body.1.bias"]}
+
+
+@pytest.mark.slow
+def test_a_sweep_of_fine_tunes_finds_its_source_by_its_run_name(project):
+    assert run_cli(project, *CPU, "name=base", "trainer.max_steps=10").returncode == 0
+    sweep = ["-m", *CPU, "name=ft", "init.checkpoint=base", "optimizer.lr=1e-3,3e-3", "trainer.max_steps=10"]
+    result = run_cli(project, *sweep, timeout=600)
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    jobs = client.search_runs(
+        [client.get_experiment_by_name("ft").experiment_id], "tags.`init.source_run_name` = 'base'"
+    )
+    assert len(jobs) == 2 and all(job.info.status == "FINISHED" for job in jobs)

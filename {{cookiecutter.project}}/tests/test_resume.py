@@ -173,7 +173,7 @@ def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
     record = mlflow_record(client, other["run_id"])
     refusal = (
         "{path} is a checkpoint of the run 'other-run', not of '{name}'; continue that run with name=other-run "
-        "resume=last, or start this one from its weights with init.checkpoint={path}"
+        "resume=last, or drop resume= and start this one from its weights with init.checkpoint={path}"
     )
     step_10 = checkpoint_dir / "step_00000010.pt"
     with pytest.raises(RunError) as raised:  # a new name, from one of its checkpoints

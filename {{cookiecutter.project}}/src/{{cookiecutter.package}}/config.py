@@ -91,7 +91,8 @@ class TrainerConfig:
 
 @dataclass
 class InitConfig:
-    """A fresh run's starting weights, from another run's checkpoint: fine-tuning (checkpoint/initial.py)."""
+    """Fine-tuning (checkpoint/initial.py): a fresh run's weights from another run's checkpoint, read at a
+    fresh start only; and the parameters that do not train, at every start."""
 
     checkpoint: str | None = None  # a checkpoint file or folder, <home>/latest, or a run name; null: as built
     ignore: list[str] = field(default_factory=list)  # globs of model keys not loaded: they keep their new values
@@ -128,6 +129,11 @@ class Config:
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
     optimized_metric: str = MISSING  # what a sweep job returns, for a search to minimize
+
+
+def home_of(cfg: DictConfig, name: str) -> Path:
+    """The checkpoint home of the run `name` under this config: checkpoint.dir with that name."""
+    return Path(OmegaConf.merge(cfg, {"name": name}).checkpoint.dir)
 
 
 def project_root() -> str:

@@ -16,6 +16,12 @@ class SaveError(RunError):
     """A checkpoint that could not be written (a full disk, a folder gone read-only)."""
 
 
+def listed(names: list[str], most: int = 8, between: str = ", ") -> str:
+    """Up to `most` of `names`, the rest counted: a message stays one readable line."""
+    more = len(names) - most
+    return between.join(names[:most]) + (f" and {more} more" if more > 0 else "")
+
+
 def first_line(error: BaseException) -> str:
     """What `error` says, in one line."""
     # SQLAlchemy (MLflow's sqlite store) puts its own notes ("raised as a result of Query-invoked

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from . import components
-from .errors import RunError
+from .errors import RunError, listed
 
 MULTIPLIER = "lr_multiplier"  # kept in each param group, and so in its state_dict
 NAME = "name"
@@ -29,19 +29,20 @@ def matching(names: list[str], glob: str) -> list[str]:
     return [name for name in names if fnmatch.fnmatchcase(name, glob)]
 
 
-def freeze(model: nn.Module, globs: list[str]) -> int:
-    """Stops the parameters that `globs` match from training; returns how many they are. A glob that
-    matches none is refused: a misspelt one would leave the layers it meant training."""
+def freeze(model: nn.Module, globs: list[str]) -> None:
+    """Stops the parameters that `globs` match from training. A glob that matches none is refused:
+    a misspelt one would leave the layers it meant training."""
     names = [name for name, _ in model.named_parameters()]
     frozen = set()
     for glob in globs:
         if not (found := matching(names, glob)):
-            raise RunError(f"init.freeze: {glob} matches no parameter of the model ({_some(names)}); fix the glob")
+            raise RunError(
+                f"init.freeze: {glob} matches no parameter of the model (it has {listed(names)}); fix the glob"
+            )
         frozen.update(found)
     for name, parameter in model.named_parameters():
         if name in frozen:
             parameter.requires_grad_(False)
-    return len(frozen)
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -63,7 +64,7 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
         if not found:
             raise RunError(
                 f"optimizer.lr_multipliers: {glob} matches no parameter that trains and no earlier glob took "
-                f"({_some(names)}); fix the glob"
+                f"(it has {listed(names)}); fix the glob"
             )
         taken.update(dict.fromkeys(found, glob))
     rest = [parameter for name, parameter in training if name not in taken]
@@ -86,7 +87,8 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
         )
     optimizer = components.build("optimizer", cfg, params=groups)
     for group in optimizer.param_groups:  # before the scheduler records each group's initial lr
-        group["lr"] = group["lr"] * group[MULTIPLIER]
+        if group[MULTIPLIER] != 1.0:  # an lr of None (a relative-step optimizer) stays None
+            group["lr"] = group["lr"] * group[MULTIPLIER]
     return optimizer
 
 
@@ -96,15 +98,10 @@ def group_name(glob: str) -> str:
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """`train/lr`, the configured lr as the schedule sets it now, and, where groups have their
-    own multiples of it, `train/lr/<group>` for each."""
+    """`train/lr`, the configured lr as the schedule sets it now, and, where any group has a
+    multiple of it of its own, `train/lr/<group>` for each."""
     groups = optimizer.param_groups
-    first = groups[0]
-    rates = {"train/lr": float(first["lr"]) / first.get(MULTIPLIER, 1.0)}
-    if len(groups) > 1:
+    rates = {"train/lr": float(groups[0]["lr"]) / groups[0][MULTIPLIER]}
+    if any(group[MULTIPLIER] != 1.0 for group in groups) or len(groups) > 1:
         rates.update({f"train/lr/{group[NAME]}": float(group["lr"]) for group in groups})
     return rates
-
-
-def _some(names: list[str]) -> str:
-    return f"it has {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"

@@ -10,6 +10,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from .param_groups import MULTIPLIER
+
 
 def constant(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> LambdaLR:
     """`optimizer.lr` throughout, after a linear warm-up."""
@@ -56,6 +58,8 @@ def keep_configured(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, co
     a function of the step (not a LambdaLR) keeps the restored lr.
     """
     for group, wanted in zip(optimizer.param_groups, configured, strict=True):
+        if not isinstance(scheduler, LambdaLR) and group.get(MULTIPLIER, 1.0) != wanted.get(MULTIPLIER, 1.0):
+            group["lr"] *= wanted[MULTIPLIER] / group[MULTIPLIER]  # a new multiple of a restored lr
         group.update({key: value for key, value in wanted.items() if key != "lr"})
     if not isinstance(scheduler, LambdaLR):
         return

@@ -79,6 +79,7 @@ def train_in(cfg: Config, world: World) -> dict:
     #    a fresh run over saved checkpoints, or a folder that cannot take checkpoints, stops here,
     #    not at a save hours later.
     home = Path(cfg.checkpoint.dir)
+    initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
         run, checkpoints, found = setup(cfg, world, home)
 

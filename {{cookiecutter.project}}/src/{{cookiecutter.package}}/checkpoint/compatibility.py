@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..errors import RunError
+from ..errors import RunError, listed
 from ..provenance import flat_params, flatten
 from .schema import Checkpoint
 
@@ -35,7 +35,8 @@ def check_same_run(saved: Checkpoint, name: str) -> None:
     if saved_name != name:
         raise RunError(
             f"{saved.path} is a checkpoint of the run {saved_name!r}, not of {name!r}; continue that run with "
-            f"name={saved_name} resume=last, or start this one from its weights with init.checkpoint={saved.path}"
+            f"name={saved_name} resume=last, or drop resume= and start this one from its weights with "
+            f"init.checkpoint={saved.path}"
         )
 
 
@@ -43,7 +44,7 @@ def check_same_groups(saved: Checkpoint, cfg: DictConfig) -> None:
     """The optimizer's state is kept by parameter group, and the groups are made by these globs: a
     resume that changes them would give each parameter another's state."""
     grouping = {
-        "init.freeze": (saved.setting("init", "freeze") or [], list(cfg.init.freeze)),
+        "init.freeze": (sorted(saved.setting("init", "freeze") or []), sorted(cfg.init.freeze)),  # in any order
         "optimizer.lr_multipliers": (
             list(saved.setting("optimizer", "lr_multipliers") or {}),
             list(cfg.optimizer.get("lr_multipliers") or {}),
@@ -80,28 +81,20 @@ def shapes_of(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
-LISTED = 8  # keys named per kind of mismatch; the rest are counted
-
-
 def mismatches(
-    built: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], ignored: set[str] = frozenset()
+    built: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], ignored: frozenset[str] = frozenset()
 ) -> tuple[str, list[str]]:
     """The keys, but `ignored`, that do not meet their twin in name and shape: said by kind (empty
     when all fit), and listed."""
     missing = sorted(built.keys() - saved.keys() - ignored)
     unexpected = sorted(saved.keys() - built.keys() - ignored)
     reshaped = sorted(key for key in (built.keys() & saved.keys()) - ignored if built[key] != saved[key])
-    problems = [f"missing from the checkpoint: {_listed(missing)}"] if missing else []
-    problems += [f"not in this model: {_listed(unexpected)}"] if unexpected else []
+    problems = [f"missing from the checkpoint: {listed(missing)}"] if missing else []
+    problems += [f"not in this model: {listed(unexpected)}"] if unexpected else []
     if reshaped:
         shapes = [f"{key} {saved[key]} in the checkpoint vs {built[key]} now" for key in reshaped]
-        problems.append(f"shape mismatch: {_listed(shapes, '; ')}")
+        problems.append(f"shape mismatch: {listed(shapes, between='; ')}")
     return " | ".join(problems), missing + unexpected + reshaped
-
-
-def _listed(keys: list[str], between: str = ", ") -> str:
-    more = len(keys) - LISTED
-    return between.join(keys[:LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
 def report_changes(saved: Checkpoint, cfg: DictConfig, device: torch.device) -> None:

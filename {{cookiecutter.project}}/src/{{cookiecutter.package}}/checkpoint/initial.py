@@ -10,39 +10,45 @@ refused whole, naming the keys: a source of another model is caught, not half lo
 import fnmatch
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from ..errors import RunError
+from ..config import NAME, home_of
+from ..errors import RunError, listed
 from . import onefile
 from .compatibility import mismatches, saved_shapes, shapes_of
-from .resume import home_named, load, newest_valid
+from .home import has_checkpoints
+from .resume import at
 from .schema import STATE, Checkpoint
 
 
 def find(cfg: DictConfig) -> Checkpoint:
-    """The checkpoint `init.checkpoint` names, loaded and (with checkpoint.verify) checked: a file
-    or a folder of shards; `<home>/latest` or a home folder, its newest valid checkpoint; a run's
-    name, the newest valid checkpoint of that run's home (checkpoint.dir with name=<that name>)."""
+    """The checkpoint `init.checkpoint` names (`locate`), loaded and, with checkpoint.verify, checked."""
+    asked = f"init.checkpoint={cfg.init.checkpoint}"
+    return at(locate(cfg), cfg.checkpoint.verify, asked, "the name of a run with checkpoints")
+
+
+def locate(cfg: DictConfig) -> Path:
+    """Where `init.checkpoint` points: a plain name is a run's, its home (its newest valid
+    checkpoint), when that run has saved; else, and for any other text, a path: a checkpoint file,
+    a folder of shards, a home, or a home's `latest`."""
     named = cfg.init.checkpoint
-    path, verify = home_named(Path(named).expanduser().absolute()), cfg.checkpoint.verify
-    if not path.exists():
-        path = Path(OmegaConf.merge(cfg, {"name": named}).checkpoint.dir)
-        if path == Path(cfg.checkpoint.dir):  # checkpoint.dir=<a fixed path>: no home by name
-            raise RunError(
-                f"init.checkpoint={named}: no such file or folder, and checkpoint.dir does not depend on name, so "
-                f"no run's home can be found by it; pass a checkpoint's path"
-            )
-        if not path.is_dir():
-            raise RunError(
-                f"init.checkpoint={named}: no such file or folder, and no run of that name has saved into {path}; "
-                f"pass a checkpoint's path or the name of a run with checkpoints"
-            )
-    if path.is_file() or (path / STATE).exists():
-        return load(path, verify)
-    if (found := newest_valid(path, verify)) is None:
-        raise RunError(f"init.checkpoint={named}: {path} holds no valid checkpoint; pass a checkpoint file or folder")
-    return found
+    if "/" not in named and NAME.fullmatch(named) and has_checkpoints(home := home_of(cfg, named)):
+        return home
+    return Path(named).expanduser().absolute()
+
+
+def check_apart(cfg: DictConfig) -> None:
+    """Refuses a source among this run's own checkpoints: it would resume them, not start from them,
+    and its saves would prune them."""
+    if cfg.init.checkpoint is None:
+        return
+    home, source = Path(cfg.checkpoint.dir).resolve(), locate(cfg).resolve()
+    if source == home or home in source.parents:
+        raise RunError(
+            f"init.checkpoint={cfg.init.checkpoint} names this run's own checkpoints ({home}); a fine-tune is a run "
+            f"of its own: give it name=<new name>, or continue this run with resume=last without init.checkpoint"
+        )
 
 
 def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards: bool) -> list[str]:
@@ -54,9 +60,14 @@ def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards:
         if not any(fnmatch.fnmatchcase(key, glob) for key in built.keys() | stored.keys()):
             raise RunError(
                 f"init.ignore: {glob} matches no key of the model or of {saved.path} (the model has "
-                f"{', '.join(list(built)[:4])}, ...); fix the glob"
+                f"{listed(list(built))}); fix the glob"
             )
     ignored = {key for key in built.keys() | stored.keys() if any(fnmatch.fnmatchcase(key, glob) for glob in ignore)}
+    if not built.keys() - ignored:
+        raise RunError(
+            f"init.ignore keeps every key of the model as built: nothing of {saved.path} would load; ignore fewer "
+            f"keys, or train without init.checkpoint"
+        )
     problems, keys = mismatches(built, stored, ignored)
     if problems:
         modules = sorted({key.rsplit(".", 1)[0] + ".*" if "." in key else key for key in keys})
@@ -69,9 +80,7 @@ def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards:
 
         sharded.load_model(model, saved, ignored)
     else:
-        model.load_state_dict(
-            {key: value for key, value in saved.part("model").items() if key not in ignored}, strict=False
-        )
+        model.load_state_dict(saved.weights(leaving=ignored), strict=False)
     return sorted(ignored & built.keys())
 
 

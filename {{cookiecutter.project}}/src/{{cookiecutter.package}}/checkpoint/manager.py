@@ -1,6 +1,7 @@
 """The run's checkpoints, owned by one object the recipe hands its parts to: it restores them from
-what `resume=` names, or starts a fresh model from another run's weights (`init.checkpoint`), saves them on schedule (in the background with `checkpoint.async_save`),
-and makes the last save, which must succeed. The recipe knows nothing of files, shards, seals or
+what `resume=` names, or starts a fresh model from another run's weights (`init.checkpoint`),
+saves them on schedule (in the background with `checkpoint.async_save`), and makes the last save,
+which must succeed. The recipe knows nothing of files, shards, seals or
 writer threads; which format a save takes is decided here, by the strategy, and nowhere else.
 """
 
@@ -14,7 +15,7 @@ from omegaconf import OmegaConf
 from ..config import Config
 from ..devices import describe
 from ..distributed import World
-from ..errors import CheckpointError, RunError, SaveError
+from ..errors import CheckpointError, RunError, SaveError, listed
 from ..precision import setting
 from ..provenance import library_versions
 from ..schedulers import hyperparameters, keep_configured
@@ -96,17 +97,9 @@ class Checkpointer:
         """The checkpoint `resume=` names, as rank 0 finds (and, with `checkpoint.verify`, checks)
         it, loaded into the parts on every process after checking that it can belong to them; the
         config's hyperparameters stay this run's. None: a fresh start."""
-        found = None
-
-        def locate() -> Path | None:
-            nonlocal found
-            found = find(resume, self.home, self.settings.verify)
-            return found and found.path
-
-        path = self.world.on_main(locate)
-        if path is None:
+        saved = self._located(lambda: find(resume, self.home, self.settings.verify))
+        if saved is None:
             return None
-        saved = found if self.world.is_main else load(path, verify=False)
         optimizer, scheduler = self.parts["optimizer"], self.parts["scheduler"]
         compatibility.check_fits(saved, self.cfg, self.parts["model"])
         compatibility.report_changes(saved, self.cfg, self.world.device)
@@ -122,21 +115,28 @@ class Checkpointer:
     def start_from(self) -> None:
         """A fresh run's model weights from the checkpoint `init.checkpoint` names (fine-tuning), as
         rank 0 finds and checks it, into the model where it is; nothing else of it is loaded."""
-        found = None
-
-        def locate() -> Path:
-            nonlocal found
-            found = initial.find(self.cfg)
-            return found.path
-
-        path = self.world.on_main(locate)
-        saved = found if self.world.is_main else load(path, verify=False)
+        saved = self._located(lambda: initial.find(self.cfg))
         model = self.parts["model"]
         ignored = initial.load_weights(model, saved, list(self.cfg.init.ignore), self.strategy.shards)
         frozen = sum(not parameter.requires_grad for parameter in model.parameters())
         self.source = initial.lineage(saved, ignored, frozen)
-        kept = f"; {len(ignored)} key(s) kept as built ({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})"
+        kept = f"; {len(ignored)} key(s) kept as built ({listed(ignored, most=4)})"
         log.info(f"starting from the weights of {saved.path} (step {saved.step}){kept if ignored else ''}")
+
+    def _located(self, find_it: Callable[[], Checkpoint | None]) -> Checkpoint | None:
+        """The checkpoint `find_it` finds on rank 0 (and checks, with checkpoint.verify), read on the
+        other processes from the same path without checking it again."""
+        found = None
+
+        def locate() -> Path | None:
+            nonlocal found
+            found = find_it()
+            return found and found.path
+
+        path = self.world.on_main(locate)
+        if path is None or self.world.is_main:
+            return found
+        return load(path, verify=False)
 
     def _load(self, saved: Checkpoint) -> None:
         """A sharded checkpoint loads on any number of processes; a one-file checkpoint into a

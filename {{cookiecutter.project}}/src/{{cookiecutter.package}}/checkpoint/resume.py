@@ -49,17 +49,20 @@ def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | No
         if found is None:
             log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
         return found
-    path = home_named(Path(resume).expanduser().resolve())
+    return at(Path(resume).expanduser().resolve(), verify, f"resume={resume}", "resume=last, resume=auto")
+
+
+def at(path: Path, verify: bool, asked: str, instead: str) -> Checkpoint:
+    """The checkpoint at `path`, loaded: a file or a folder of shards, or the newest valid one of a
+    home (or of the home whose `latest` it is). `asked` and `instead` word the refusals."""
+    path = home_named(path)
     if path.is_dir() and not (path / schema.STATE).exists():
-        found = newest_valid(path, verify)
-        if found is None:
-            raise RunError(
-                f"resume={resume}: no valid checkpoint in that folder; pass a checkpoint file or resume=last"
-            )
+        if (found := newest_valid(path, verify)) is None:
+            raise RunError(f"{asked}: no valid checkpoint in {path}; pass {instead} or a checkpoint file or folder")
         return found
     if path.exists():
         return load(path, verify)
-    raise RunError(f"resume={resume}: no such file or folder; pass resume=last, resume=auto or a checkpoint path")
+    raise RunError(f"{asked}: no such file or folder; pass {instead} or a checkpoint's path")
 
 
 def home_named(path: Path) -> Path:

@@ -111,6 +111,10 @@ class Checkpoint(NamedTuple):
         """How many processes trained it: one random state each."""
         return len(self.part("rng")["ranks"])
 
+    def weights(self, leaving: frozenset[str] = frozenset()) -> dict:
+        """A one-file checkpoint's model weights, but the keys `leaving` names."""
+        return {key: value for key, value in self.part("model").items() if key not in leaving}
+
     def part(self, name: str) -> dict:
         """The saved state_dict of the part handed over as `name`."""
         if name not in self.state:

@@ -207,6 +207,12 @@ def load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: schema.
         _load_whole(model, optimizer, saved.part("model"), saved.part("optimizer"))
         return
     state = shards_of(model, optimizer)
+    # The config decides the hyperparameters (schedulers.keep_configured): one the checkpoint lacks
+    # (a key its groups did not have yet, as param_groups.py's name) is not asked of it.
+    stored = read_metadata(saved.path / METADATA).state_dict_metadata
+    for number, group in enumerate(state["optimizer"]["param_groups"]):
+        for key in [key for key in group if key != "params" and f"optimizer.param_groups.{number}.{key}" not in stored]:
+            del group[key]
     try:
         dcp.load(state, storage_reader=SafeReader(saved.path), planner=SafePlanner())
     except CheckpointException as error:
@@ -234,8 +240,8 @@ def load_model(model: nn.Module, saved: schema.Checkpoint, ignored: set[str]) ->
     """The model weights of `saved` but the keys `ignored` (fine-tuning: checkpoint/initial.py),
     into a model that may be sharded, on every process at once; the optimizer's are not read."""
     if not saved.sharded:
-        weights = {key: value for key, value in saved.part("model").items() if key not in ignored}
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        whole = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, saved.weights(leaving=ignored), options=whole)
         return
     state = {key: value for key, value in get_model_state_dict(model).items() if key not in ignored}
     try:
