@@ -193,14 +193,29 @@ def test_a_sweep_with_a_tracking_uri_mlflow_cannot_open_stops_before_any_job_in_
 def test_a_search_sweep_optimizes_the_chosen_metric(project):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[search]'")
     search = ["-m", "hydra/sweeper=search", "hydra.sweeper.n_trials=3", "trainer.max_steps=30"]
-    maximize = ["optimized_metric=val/accuracy", "hydra.sweeper.direction=maximize"]
+    maximize = ["optimized_metric=val/accuracy", "optimized_mode=max"]
     result = run_cli(project, *search, *maximize, timeout=600)
     assert result.returncode == 0, result.stderr
     _, parent, children = sweep_runs(project)
     assert parent.info.status == "FINISHED" and len(children) == 3
     (results,) = (project / "multirun").glob("*/*/optimization_results.yaml")
-    best = yaml.safe_load(results.read_text())["best_value"]
-    assert best == max(child.data.metrics["val/accuracy"] for child in children.values())
+    best = max(child.data.metrics["val/accuracy"] for child in children.values())
+    assert yaml.safe_load(results.read_text())["best_value"] == best
+    # The sweep's run names the winner by the same metric and mode, not by val/loss.
+    assert parent.data.metrics["best/val/accuracy"] == best and "best/val/loss" not in parent.data.metrics
+    winner = children[parent.data.tags["best.job"]]
+    assert winner.info.run_id == parent.data.tags["best.run_id"] and winner.data.metrics["val/accuracy"] == best
+
+
+def test_a_search_direction_that_disagrees_with_optimized_mode_stops_the_sweep_in_one_line(project):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[search]'")
+    result = run_cli(project, "-m", "hydra/sweeper=search", "hydra.sweeper.direction=maximize", "trainer.max_steps=5")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: hydra.sweeper.direction=maximize disagrees with optimized_mode=min, which also names the winner and "
+        "the best checkpoint; set optimized_mode alone"
+    )
+    assert not (project / "checkpoints").exists()
 
 
 def test_a_named_experiment_sweeps_what_its_file_says(project):

@@ -62,6 +62,7 @@ class CheckpointConfig:
     keep_last: int = MISSING
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
     async_save: bool = True  # written by a background thread while training goes on (checkpoint/background.py)
+    keep_best: bool = True  # `best` names the checkpoint of the best optimized_metric; retention keeps it
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
 
 
@@ -76,6 +77,12 @@ class MlflowConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    patience: int | None = None  # validations without improvement of optimized_metric before the run stops; null: off
+    min_delta: float = 0.0  # what counts as an improvement: more than this
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps
     log_every_n_steps: int = MISSING
@@ -87,6 +94,7 @@ class TrainerConfig:
     channels_last: bool = MISSING  # NHWC memory format, for convolutional models
     on_nonfinite: str = MISSING  # stop | skip_step | warn: what a NaN or infinite loss does
     nonfinite_patience: int = MISSING  # consecutive skipped non-finite steps before the run stops
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # monitor.py
 
 
 @dataclass
@@ -128,7 +136,8 @@ class Config:
     name: str = MISSING  # names the checkpoint home and the MLflow experiment
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
-    optimized_metric: str = MISSING  # what a sweep job returns, for a search to minimize
+    optimized_metric: str = MISSING  # a sweep job's value; ranks checkpoints; early stopping watches it (monitor.py)
+    optimized_mode: str = MISSING  # min | max: whether a lower or a higher optimized_metric is better
 
 
 def home_of(cfg: DictConfig, name: str) -> Path:
@@ -218,6 +227,7 @@ CHOICES = {
     "strategy.type": ("single", "ddp", "fsdp"),
     "checkpoint.continuity.on_mismatch": ("warn", "error"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
+    "optimized_mode": ("min", "max"),
 }
 # (key, what a valid value satisfies, what to say otherwise); a None value (an option that is
 # off, such as grad_clip=null) is not checked.
@@ -226,10 +236,11 @@ RULES = [
         "trainer.log_every_n_steps", "trainer.val_every_n_steps", "trainer.grad_accum_steps",
         "trainer.nonfinite_patience", "checkpoint.every_n_steps", "checkpoint.keep_last",
         "checkpoint.continuity.probe_size", "data.batch_size", "strategy.timeout_s",
+        "trainer.early_stopping.patience",
     )),
     *((key, lambda v: v >= 0, "must not be negative") for key in (
         "trainer.max_steps", "checkpoint.continuity.rtol", "data.num_workers", "device.cpu_threads",
-        "trainer.progress_every_s",
+        "trainer.progress_every_s", "trainer.early_stopping.min_delta",
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
     ("seed", lambda v: 0 <= v < 2**31, "must be between 0 and 2147483647 (each process draws from seed + its rank)"),

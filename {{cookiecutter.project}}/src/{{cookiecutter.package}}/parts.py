@@ -14,6 +14,7 @@ from .config import AmpConfig, Config, TrainerConfig
 from .data import Data, Position
 from .devices import to_device
 from .distributed import World
+from .monitor import Monitor
 from .precision import Scaler
 from .probe import Probe
 from .seeding import RandomState
@@ -40,6 +41,7 @@ class Run:
     position: Position  # in the training data
     probe: Probe
     tracker: Tracker
+    monitor: Monitor  # optimized_metric's best value, and early stopping
     rng: RandomState
     step: int = 0  # optimizer steps taken
     # The settings every step reads, copied out of `cfg` as plain objects: a step read about

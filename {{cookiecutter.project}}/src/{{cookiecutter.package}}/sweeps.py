@@ -14,6 +14,7 @@ job that had started and starts the others.
 import atexit
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.files import write_text
 from .errors import RunError, first_line
@@ -58,8 +59,8 @@ class Job:
 
     def run(self, train: Callable[[DictConfig], dict], cfg: DictConfig) -> float | None:
         """Trains in the job's own checkpoint folder and MLflow child run, records the result,
-        and returns the job's `optimized_metric`: the value a search sweeper minimizes. An error is
-        recorded, not raised, so the other jobs still run."""
+        and returns the job's `optimized_metric`: the value a search sweeper minimizes or maximizes
+        (`optimized_mode`). An error is recorded, not raised, so the other jobs still run."""
         if cfg.init.checkpoint is not None:  # a run's name: its home, not one under this job's
             from .checkpoint.initial import locate  # torch: not in the launching process
 
@@ -121,6 +122,14 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)  # lets `${project_root:}` resolve out here too
+        direction = OmegaConf.select(config, "hydra.sweeper.direction")
+        if isinstance(direction, str) and direction != f"{config.optimized_mode}imize":
+            print(
+                f"error: hydra.sweeper.direction={direction} disagrees with optimized_mode={config.optimized_mode}, "
+                f"which also names the winner and the best checkpoint; set optimized_mode alone",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if not config.mlflow.enabled:
@@ -155,19 +164,22 @@ class SweepCallback(Callback):
         failed = [result["job"] for result in results if result["status"] != "FINISHED"]
         if self._parent_run_id is not None:
             self._client.log_text(self._parent_run_id, table, "summary.md")
-            self._name_the_best(results)
+            self._name_the_best(results, config.optimized_metric, config.optimized_mode)
             self._end_parent("FAILED" if failed else "FINISHED")
         if failed:
             raise SystemExit(f"{len(failed)} of {len(results)} jobs failed: {', '.join(failed)}")
 
-    def _name_the_best(self, results: list[dict]) -> None:
-        """The parent's row in the UI says who won: the best job's val/loss and its overrides."""
-        scored = [result for result in results if isinstance(result.get("val/loss"), float)]
+    def _name_the_best(self, results: list[dict], metric: str, mode: str) -> None:
+        """The parent's row in the UI says who won: the best job by `optimized_metric` and
+        `optimized_mode`, its value and its overrides."""
+        scored = [
+            result for result in results if isinstance(result.get(metric), float) and math.isfinite(result[metric])
+        ]
         if not scored:
             return
-        best = min(scored, key=lambda result: result["val/loss"])
+        best = (min if mode == "min" else max)(scored, key=lambda result: result[metric])
         try:
-            self._client.log_metric(self._parent_run_id, "best/val/loss", best["val/loss"])
+            self._client.log_metric(self._parent_run_id, f"best/{metric}", best[metric])
             self._client.set_tag(self._parent_run_id, "best.job", best["job"])
             self._client.set_tag(self._parent_run_id, "best.run_id", best.get("run_id") or "")
         except Exception as error:  # the store may be down; the summary table already says it

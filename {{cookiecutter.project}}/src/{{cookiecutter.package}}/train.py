@@ -28,6 +28,7 @@ from .distributed import World
 from .divergence import Divergence
 from .errors import RunError
 from .evaluation import build_metrics, check_wiring, evaluate
+from .monitor import Monitor
 from .parts import Run
 from .precision import autocast, build_scaler
 from .precision import describe as describe_amp
@@ -92,7 +93,8 @@ def train_in(cfg: Config, world: World) -> dict:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
                     result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
-                status = "KILLED" if run.step < cfg.trainer.max_steps else "FINISHED"  # only a signal stops early
+                # Short of max_steps: stopped by a signal, unless early stopping ended it.
+                status = "FINISHED" if run.step >= cfg.trainer.max_steps or run.monitor.stopped else "KILLED"
             finally:
                 run.tracker.finish(status)
 
@@ -160,6 +162,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         Position(),
         Probe(data.val, cfg.checkpoint.continuity.probe_size, cfg.data.batch_size),
         Tracker(cfg.mlflow, home, main=world.is_main),
+        Monitor(cfg),
         RandomState(world, cfg.seed),
     )
 
@@ -177,6 +180,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         "position": run.position,
         "probe": run.probe,
         "tracker": run.tracker,
+        "monitor": run.monitor,
         "rng": run.rng,
     }
     checkpoints = Checkpointer(
@@ -219,17 +223,18 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
 
 
 def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str, float]:
-    """11. Trains to `trainer.max_steps` or a signal; saves on schedule. A save that fails (a full
-    disk) costs a warning and is tried again at the next save point; a loss that is not finite
+    """11. Trains to `trainer.max_steps`, a signal or an early stop (monitor.py); saves on
+    schedule. A save that fails (a full disk) costs a warning and is tried again at the next save
+    point; a loss that is not finite
     stops the run before it can save (divergence.py). Returns the last loss and the throughput,
     or nothing when there was no step left to train."""
-    trainer, save_every = run.trainer, run.cfg.checkpoint.every_n_steps
+    trainer, save_every, keep_best = run.trainer, run.cfg.checkpoint.every_n_steps, run.cfg.checkpoint.keep_best
     loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss, first = Throughput(run.task.unit), None, run.step
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
-        while run.step < trainer.max_steps and not preemption.agreed(run.world):
+        while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss, grad_norm, counted = train_step(run, micro_batches)
             if run.step == first:  # the optimizer's state exists now, and so does a layer built in forward
@@ -246,21 +251,37 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 run.tracker.log_metrics({"train/loss": value, **lrs, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
-                run.tracker.log_metrics(evaluate(run, run.val_loader), run.step)
+                validate(run, loss.item())
+                run.monitor.observe()
             if run.step % save_every == 0:
                 divergence.check(checkpoints.on_disk)
+                if keep_best:  # each checkpoint is ranked by its own step's metric
+                    validate(run, loss.item())
                 checkpoints.try_save(run.step)
     divergence.check(checkpoints.on_disk)
     # A run resumed at its last step trains nothing: no training loss or throughput to report.
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
 
 
+def validate(run: Run, loss: float | None) -> dict[str, float]:
+    """The validation metrics at this step, logged, with the step's training loss (which
+    optimized_metric may name), kept by the monitor. A step is validated once: the save at the
+    last step, an early stop and the end share one validation."""
+    if run.monitor.latest is None or run.monitor.latest[0] != run.step:
+        val = evaluate(run, run.val_loader)
+        run.tracker.log_metrics(val, run.step)
+        run.monitor.validated(run.step, val if loss is None else {**val, "train/loss": loss})
+    return run.monitor.latest[1]
+
+
 def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdict: str) -> dict:
     """The final validation and the last save, which must succeed; the run's result, the same
     on every process (the MLflow run id is rank 0's)."""
-    val = evaluate(run, run.val_loader)
-    run.tracker.log_metrics(val, run.step)
+    val = validate(run, trained.get("train/loss"))  # no loss when no step was left to train
     checkpoints.final(run.step)
+    if run.monitor.stopped:
+        run.tracker.set_tags({"stopped_early": str(run.step)})
+        log.info(f"stopped early at step {run.step}: {run.monitor.explain()}")
     run_id = run.world.broadcast(run.tracker.run_id)
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
 

@@ -1,5 +1,5 @@
 """A run's checkpoint folder, its home: the run's claim on it, the checkpoints' names, the
-`latest` pointer, retention, and the checkpoints a resume sets aside.
+`latest` and `best` pointers, retention, and the checkpoints a resume sets aside.
 
 A run holds its home for its whole life with an OS lock, so a second run with the same name stops
 at once instead of overwriting the first; and it deletes only files whose names it writes itself.
@@ -8,7 +8,9 @@ at once instead of overwriting the first; and it deletes only files whose names 
 import contextlib
 import errno
 import itertools
+import json
 import logging
+import math
 import os
 import re
 import socket
@@ -28,12 +30,14 @@ except ImportError:  # Windows: no POSIX locks
 log = logging.getLogger(__name__)
 
 POINTER = "latest"
+BEST = "best"  # names the checkpoint of the best optimized_metric, which retention keeps
+SCORES = "scores.json"  # each checkpoint's optimized_metric at its step, for `best`
 LOCK = "run.lock"
 NAME = re.compile(r"step_(\d{8,})(\.pt)?")  # as path_of writes them: a user's step_7.pt is not ours
 # The temporary files and folders the package writes (files.temporary), and so the only ones it
-# removes: `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp` and the
-# write test's `write-test.<tag>.tmp`.
-TEMPORARY = re.compile(r"(step_\d{8,}(\.pt)?|latest|write-test)\.\d+-[0-9a-f]+\.tmp")
+# removes: `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp`,
+# `best.<tag>.tmp`, `scores.json.<tag>.tmp` and the write test's `write-test.<tag>.tmp`.
+TEMPORARY = re.compile(r"(step_\d{8,}(\.pt)?|latest|best|scores\.json|write-test)\.\d+-[0-9a-f]+\.tmp")
 
 
 @contextlib.contextmanager
@@ -162,15 +166,83 @@ def has_checkpoints(home: Path) -> bool:
     return any(steps(home))
 
 
-def completed(path: Path, keep_last: int) -> None:
+def completed(path: Path, keep_last: int, score: dict | None = None) -> None:
     """After `path` was renamed into its home: `latest` points at it, both renames are durable, and
-    the newest `keep_last` checkpoints remain. `latest` is for people and tools (a resume goes by
-    step numbers, as a crash between two renames can leave it one save behind): no fsync of its own."""
+    the newest `keep_last` checkpoints remain; given its `score` (checkpoint.keep_best: the
+    optimized_metric at its step), ranked, and the best remains too. `latest` is for people and
+    tools (a resume goes by step numbers, as a crash between two renames can leave it one save
+    behind): no fsync of its own; `best` decides what is deleted, and is durable."""
     home = path.parent
     write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
     sync_folder(home)
-    for _, older in sorted(steps(home), reverse=True)[keep_last:]:
-        remove(older)
+    newest = [older for _, older in sorted(steps(home), reverse=True)]
+    kept = {older.name for older in newest[:keep_last]}
+    if score is not None:
+        try:
+            best = rank(home, {path.name: score["value"]}, score["metric"], score["mode"], kept)
+        except OSError as error:  # a full disk: the checkpoint is whole, and deletes wait for a ranking
+            log.warning(f"{path.name} is saved but not ranked ({error.strerror or error}); nothing is pruned for now")
+            return
+        kept.add(best)
+    for older in newest:
+        if older.name not in kept:
+            remove(older)
+
+
+def best_of(home: Path) -> Path | None:
+    """The checkpoint `best` names, if it is still there."""
+    try:
+        name = (home / BEST).read_text().strip()
+    except OSError:
+        return None
+    path = home / name
+    return path if NAME.fullmatch(name) and path.exists() else None
+
+
+def rank(home: Path, scored: dict[str, float], metric: str, mode: str, kept: set[str] | None = None) -> str | None:
+    """Adds `scored` to the scores of the checkpoints in `home` (those of another metric or mode are
+    dropped), points `best` at the best of them, the earliest of equals (none left: no `best`), and
+    returns its name; with `kept`, the names retention keeps, the scores of the others go."""
+    scores = {**_scores(home, metric, mode), **scored}
+    present = {path.name for _, path in steps(home)}
+    scores = {name: value for name, value in scores.items() if name in present and math.isfinite(value)}
+    best = (min if mode == "min" else max)(sorted(scores), key=scores.__getitem__) if scores else None
+    if kept is not None:
+        scores = {name: value for name, value in scores.items() if name in kept or name == best}
+    ledger = json.dumps({"metric": metric, "mode": mode, "scores": scores}, indent=1)
+    write_atomically(home / SCORES, lambda file: file.write(ledger.encode()), durable=True)
+    if best is None:
+        with contextlib.suppress(FileNotFoundError):
+            (home / BEST).unlink()
+    else:
+        write_atomically(home / BEST, lambda file: file.write(best.encode()), durable=True)
+    return best
+
+
+def rerank(home: Path) -> None:
+    """`best` again, among the checkpoints still in `home` (after some were set aside)."""
+    if (judged := _ledger(home)) is not None:
+        rank(home, {}, judged["metric"], judged["mode"])
+
+
+def _ledger(home: Path) -> dict | None:
+    """`scores.json`, if it is one this module wrote; anything else is as none (damaged or foreign)."""
+    try:
+        ledger = json.loads((home / SCORES).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (
+        isinstance(ledger, dict) and isinstance(ledger.get("scores"), dict) and ledger.get("mode") in ("min", "max")
+    ):
+        return None
+    return ledger if isinstance(ledger.get("metric"), str) else None
+
+
+def _scores(home: Path, metric: str, mode: str) -> dict[str, float]:
+    ledger = _ledger(home)
+    if ledger is None or (ledger["metric"], ledger["mode"]) != (metric, mode):
+        return {}
+    return {name: value for name, value in ledger["scores"].items() if isinstance(value, int | float)}
 
 
 def set_aside_newer(home: Path, step: int) -> Path | None:
@@ -188,4 +260,5 @@ def set_aside_newer(home: Path, step: int) -> Path | None:
             break
     for path in newer:
         os.replace(path, folder / path.name)
+    rerank(home)
     return folder

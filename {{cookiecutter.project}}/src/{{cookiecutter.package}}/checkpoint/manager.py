@@ -22,9 +22,9 @@ from ..schedulers import hyperparameters, keep_configured
 from ..strategies import Single
 from . import compatibility, initial, onefile
 from .background import Snapshot, Writer
-from .home import path_of, set_aside_newer
+from .home import path_of, rank, set_aside_newer
 from .resume import find, load
-from .schema import FORMAT_VERSION, SHARDED_PARTS, Checkpoint
+from .schema import FORMAT_VERSION, LATER_PARTS, SHARDED_PARTS, Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Checkpointer:
         keep_configured(optimizer, scheduler, configured)
         compatibility.report_lr_move(saved, saved_lr, optimizer.param_groups[0]["lr"], self.cfg)
         self.newest, self.source = saved.path, saved.state.get("source")
-        self.world.on_main(lambda: self._set_aside_newer(saved.step))
+        self.world.on_main(lambda: self._tidy(saved))
         return saved
 
     def start_from(self) -> None:
@@ -147,7 +147,7 @@ class Checkpointer:
 
             sharded.load_into(self.parts["model"], self.parts["optimizer"], saved)
         for name, part in self.parts.items():
-            if name in in_shards:
+            if name in in_shards or (name in LATER_PARTS and name not in saved.state):
                 continue
             try:
                 part.load_state_dict(saved.part(name))
@@ -157,9 +157,17 @@ class Checkpointer:
                     f"or start a new run with name=<new name>"
                 ) from None
 
-    def _set_aside_newer(self, step: int) -> None:
-        if (folder := set_aside_newer(self.home, step)) is not None:
-            log.info(f"resuming from step {step}: the newer checkpoints of {self.home} are moved to {folder}")
+    def _tidy(self, saved: Checkpoint) -> None:
+        """Rank 0, resuming: the home's newer checkpoints set aside, and the restored one ranked (a
+        run killed between its rename and its ranking left it unranked)."""
+        if (folder := set_aside_newer(self.home, saved.step)) is not None:
+            log.info(f"resuming from step {saved.step}: the newer checkpoints of {self.home} are moved to {folder}")
+        score = saved.state.get("score")
+        if self.settings.keep_best and score is not None and saved.path.parent.resolve() == self.home.resolve():
+            try:
+                rank(self.home, {saved.path.name: score["value"]}, score["metric"], score["mode"])
+            except OSError as error:
+                log.warning(f"{saved.path.name} could not be ranked ({error.strerror or error})")
 
     def try_save(self, step: int) -> None:
         """Saves (in the background: starts to); a save that fails warns once and leaves training
@@ -237,6 +245,7 @@ class Checkpointer:
             "amp": setting(self.cfg.amp),
             "versions": library_versions(),
             "source": self.source,
+            "score": self.parts["monitor"].score_at(step) if self.settings.keep_best else None,
             **{name: part.state_dict() for name, part in self.parts.items() if name not in in_shards},
         }
 

@@ -38,7 +38,7 @@ def save(state: dict, home: Path, keep_last: int) -> Path:
     try:
         home.mkdir(parents=True, exist_ok=True)
         write(state, path)
-        completed(path, keep_last)
+        completed(path, keep_last, state.get("score"))
     except OSError as error:
         raise SaveError(f"could not write {path} ({error.strerror or error})") from None
     return path

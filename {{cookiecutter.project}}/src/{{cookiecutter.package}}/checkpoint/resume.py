@@ -66,9 +66,16 @@ def at(path: Path, verify: bool, asked: str, instead: str) -> Checkpoint:
 
 
 def home_named(path: Path) -> Path:
-    """`<home>/latest`, the pointer to a home's newest save, stands for the home, whose newest
-    valid checkpoint is read: the pointer may name one that is damaged."""
-    return path.parent if path.name == homes.POINTER and path.is_file() else path
+    """What a path names, its pointers followed: `<home>/latest` stands for the home, whose newest
+    valid checkpoint is read (the pointer may name one that is damaged); `<home>/best`, for the
+    checkpoint it names."""
+    if path.name == homes.POINTER and path.is_file():
+        return path.parent
+    if path.name == homes.BEST and path.is_file():
+        if (best := homes.best_of(path.parent)) is None:
+            raise RunError(f"{path} names no checkpoint that is still there; pass another checkpoint")
+        return best
+    return path
 
 
 def newest_valid(home: Path, verify: bool = True) -> Checkpoint | None:

@@ -27,8 +27,14 @@ PART_KEYS = {
     "position": ("epoch", "sample"),
     "probe": ("indices", "loss"),
     "tracker": ("run_id",),
+    "monitor": ("waited",),
     "rng": ("ranks",),
 }
+# Parts added to format 3 after its first checkpoints: one without them restores them fresh.
+LATER_PARTS = ("monitor",)
+# Metadata a checkpoint may hold (a dict, or None): where its weights came from (fine-tuning) and
+# its optimized_metric at its step (checkpoint.keep_best).
+OPTIONAL_META = ("source", "score")
 SHARDED_PARTS = ("model", "optimizer")  # written by every process, each its shards, under strategy=fsdp
 STATE = "state.pt"  # in a folder checkpoint: everything but the shards
 
@@ -42,7 +48,11 @@ def check(path: Path, state: object, sharded: bool) -> None:
             f"{path} has format {found!r}; this project reads format {FORMAT_VERSION}: resume it with the "
             f"version of the project that wrote it, or start a new run with name=<new name>"
         )
-    parts = {part: keys for part, keys in PART_KEYS.items() if not (sharded and part in SHARDED_PARTS)}
+    parts = {
+        part: keys
+        for part, keys in PART_KEYS.items()
+        if not (sharded and part in SHARDED_PARTS) and not (part in LATER_PARTS and part not in state)
+    }
     if problems := _problems(state, parts, {**META, "shards": dict} if sharded else META):
         raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
 
@@ -62,8 +72,11 @@ def _problems(state: dict, parts: dict[str, tuple[str, ...]], meta: dict[str, ty
         problems.append(f"step={state['step']!r} is not a count")
     if not isinstance(state["device"].get("type"), str):
         problems.append("device.type is missing")
-    if not isinstance(state.get("source"), dict | None):  # absent before fine-tuning was
-        problems.append(f"source is a {type(state['source']).__name__}")
+    problems += [
+        f"{key} is a {type(state[key]).__name__}"
+        for key in OPTIONAL_META
+        if not isinstance(state.get(key), dict | None)
+    ]
     if odd := [key for key, value in state.get("model", {}).items() if not torch.is_tensor(value)]:
         problems.append(f"model holds non-tensors at {', '.join(map(str, odd[:3]))}")
     return problems

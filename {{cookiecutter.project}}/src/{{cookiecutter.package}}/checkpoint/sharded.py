@@ -155,7 +155,7 @@ def complete(state: dict, scratch: Path, home: Path, keep_last: int) -> Path:
         if path.exists():  # the same step saved before, by a run that resumed from an earlier one
             remove(path)
         os.replace(scratch, path)
-        completed(path, keep_last)
+        completed(path, keep_last, state.get("score"))
     except OSError as error:
         remove(scratch)
         raise SaveError(f"could not write {path} ({error.strerror or error})") from None

@@ -1,0 +1,79 @@
+"""What `optimized_metric` says of a run as it trains: its value at each save, which ranks the
+checkpoints (`checkpoint.keep_best`), and, read at each scheduled validation, its best value so
+far by `optimized_mode` and early stopping (`trainer.early_stopping`): the run stops once the
+metric has not improved by more than `min_delta` for `patience` validations in a row.
+
+Its state is a checkpoint part, so a resume neither forgets the best value nor gives the patience
+back: a run stopped early and resumed with the same settings trains no further, and a run stopped
+by a signal stops early at the step the unbroken run would have.
+"""
+
+import logging
+import math
+
+from .config import Config
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    def __init__(self, cfg: Config) -> None:
+        self.metric, self.mode = cfg.optimized_metric, cfg.optimized_mode
+        self.patience = cfg.trainer.early_stopping.patience
+        self.min_delta = cfg.trainer.early_stopping.min_delta
+        self.best: float | None = None  # at the last improvement by more than min_delta
+        self.best_step: int | None = None
+        self.waited = 0  # validations since that improvement
+        # The latest validation: its step, and its metrics with the step's training loss.
+        self.latest: tuple[int, dict[str, float]] | None = None
+
+    def validated(self, step: int, metrics: dict[str, float]) -> None:
+        self.latest = (step, metrics)
+
+    def score_at(self, step: int) -> dict | None:
+        """What ranks the checkpoint of `step`: the metric validated at that step (None if it was not)."""
+        if self.latest is None or self.latest[0] != step or self.metric not in self.latest[1]:
+            return None
+        return {"metric": self.metric, "mode": self.mode, "value": self.latest[1][self.metric]}
+
+    def observe(self) -> None:
+        """Judges the latest validation, a scheduled one (a value that is not finite never improves)."""
+        step, metrics = self.latest
+        value = metrics[self.metric]
+        if math.isfinite(value) and (self.best is None or self._beats(value, self.best)):
+            self.best, self.best_step, self.waited = value, step, 0
+        else:
+            self.waited += 1
+
+    def _beats(self, value: float, best: float) -> bool:
+        return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
+
+    @property
+    def stopped(self) -> bool:
+        """Whether early stopping has run out of patience (under this run's settings: a resume with
+        more patience, or without early stopping, trains on)."""
+        return self.patience is not None and self.waited >= self.patience
+
+    def explain(self) -> str:
+        best = "no finite value yet" if self.best is None else f"best {self.best:.4g} at step {self.best_step}"
+        return f"{self.metric} has not improved by more than {self.min_delta:g} for {self.waited} validations ({best})"
+
+    def state_dict(self) -> dict:
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "best": self.best,
+            "best_step": self.best_step,
+            "waited": self.waited,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state.get("waited"), int):
+            raise ValueError(f"a count of validations is an integer; found {state.get('waited')!r}")
+        if (state.get("metric"), state.get("mode")) != (self.metric, self.mode):
+            log.info(
+                f"the checkpoint watched {state.get('metric')} ({state.get('mode')}), this run watches {self.metric} "
+                f"({self.mode}): its best value and patience start afresh"
+            )
+            return
+        self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]
