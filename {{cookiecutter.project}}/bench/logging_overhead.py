@@ -26,7 +26,7 @@ def steps_per_s(folder: Path, overrides: list[str]) -> float:
         cfg = compose(
             "config", [f"checkpoint.dir={folder / 'checkpoints'}", f"mlflow.tracking_uri={store}", *overrides]
         )
-    return train(cfg)["train/steps_per_s"]
+    return train(cfg)["train/mean_steps_per_s"]
 
 
 def main() -> None:

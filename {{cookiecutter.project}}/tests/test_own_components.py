@@ -126,7 +126,7 @@ def test_a_model_and_a_dataset_from_another_package_train_and_resume_bit_for_bit
     expected = losses(client, reference_run.info.run_id)
     assert sorted(expected) == list(range(1, 41))
     assert losses(client, resumed_run.info.run_id) == expected
-    assert resumed_run.data.params["model._target_"] == "toys.Bilinear"
+    assert resumed_run.data.params["model"] == "Bilinear" and resumed_run.data.tags["model._target_"] == "toys.Bilinear"
     assert resumed_run.data.metrics["val/accuracy"] == reference_run.data.metrics["val/accuracy"]
 
 

@@ -45,7 +45,8 @@ def check_sweep(project, result, experiment: str = "demo") -> dict:
     for name, child in children.items():
         assert child.info.status == "FINISHED"
         overrides = dict(pair.split("=") for pair in name.split(","))
-        assert child.data.params["optimizer._target_"] == OPTIMIZERS[overrides["optimizer"]]
+        assert child.data.tags["optimizer._target_"] == OPTIMIZERS[overrides["optimizer"]]
+        assert child.data.params["optimizer"] == OPTIMIZERS[overrides["optimizer"]].rsplit(".", 1)[-1]
         assert float(child.data.params["optimizer.lr"]) == float(overrides["optimizer.lr"])
     best = min(children.values(), key=lambda child: child.data.metrics["val/loss"])
     assert parent.data.metrics["best/val/loss"] == best.data.metrics["val/loss"]
@@ -223,19 +224,25 @@ def test_a_named_experiment_sweeps_what_its_file_says(project):
     assert result.returncode == 0, result.stderr
     _, parent, children = sweep_runs(project, "compare-optimizers")
     assert parent.info.status == "FINISHED"
-    assert sorted(child.data.params["optimizer._target_"] for child in children.values()) == sorted(OPTIMIZERS.values())
+    assert sorted(child.data.tags["optimizer._target_"] for child in children.values()) == sorted(OPTIMIZERS.values())
 
 
 def test_the_summary_table_gives_each_job_its_throughput_in_its_tasks_unit():
     rows = [
-        {"job": "model=mlp", "status": "FINISHED", "train/loss": 0.5, "val/loss": 0.25, "train/samples_per_s": 5230.0},
-        {"job": "experiment=char_lm", "status": "FINISHED", "train/loss": 2.5, "train/tokens_per_s": 14157.0},
+        {
+            "job": "model=mlp",
+            "status": "FINISHED",
+            "train/loss": 0.5,
+            "val/loss": 0.25,
+            "train/mean_samples_per_s": 5230.0,
+        },
+        {"job": "experiment=char_lm", "status": "FINISHED", "train/loss": 2.5, "train/mean_tokens_per_s": 14157.0},
     ]
     header, _, mlp, lm = (line.split("|")[1:-1] for line in summary_table(rows).splitlines())
     cells = [{name.strip(): cell.strip() for name, cell in zip(header, row, strict=True)} for row in (mlp, lm)]
     assert [name.strip() for name in header] == [
-        "job", "status", "train/loss", "val/loss", "train/samples_per_s", "train/tokens_per_s", "continuity", "run_id",
+        "job", "status", "train/loss", "val/loss", "train/mean_samples_per_s", "train/mean_tokens_per_s", "continuity", "run_id",
         "error",
     ]  # fmt: skip
-    assert (cells[0]["train/samples_per_s"], cells[0]["train/tokens_per_s"]) == ("5,230", "")
-    assert (cells[1]["train/samples_per_s"], cells[1]["train/tokens_per_s"]) == ("", "14,157")
+    assert (cells[0]["train/mean_samples_per_s"], cells[0]["train/mean_tokens_per_s"]) == ("5,230", "")
+    assert (cells[1]["train/mean_samples_per_s"], cells[1]["train/mean_tokens_per_s"]) == ("", "14,157")

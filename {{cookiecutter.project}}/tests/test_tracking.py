@@ -37,18 +37,29 @@ from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri
 from {{cookiecutter.package}}.unsent import spill
 
 
-def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cfg, client, tmp_path):
+def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(
+    make_cfg, client, tmp_path, checkpoint_dir, tracking_uri
+):
     summary = recipe.train(make_cfg("trainer.max_steps=40", "trainer.log_every_n_steps=5", "optimizer=sgd"))
     run = client.get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["optimizer._target_"] == "torch.optim.SGD" and run.data.params["trainer.max_steps"] == "40"
-    assert run.data.params["model.hidden_sizes"] == "[128, 64]"
+    assert run.data.params["optimizer"] == "SGD" and run.data.params["trainer.max_steps"] == "40"
+    assert run.data.params["model"] == "MLP" and run.data.params["model.hidden_sizes"] == "[128, 64]"
     tags = run.data.tags
+    # Where the run keeps things, and the components' whole names, are tags: the compare views show what trains.
+    assert not [
+        key for key in run.data.params if key.endswith("_target_") or key in ("checkpoint.dir", "mlflow.tracking_uri")
+    ]
+    assert tags["optimizer._target_"] == "torch.optim.SGD" and tags["checkpoint.dir"] == str(checkpoint_dir)
+    assert tags["mlflow.tracking_uri"] == tracking_uri
     assert (tags["device"], tags["device.type"], tags["device.index"], tags["amp"]) == ("cpu", "cpu", "0", "off")
     assert tags["device.name"].startswith("cpu (") and tags["torch"].startswith("2.")
     for key in ("train/loss", "train/lr", "train/samples_per_s", "train/step_time_ms"):
         assert sorted(losses(client, run.info.run_id, key)) == [5, 10, 15, 20, 25, 30, 35, 40], key
     assert sorted(losses(client, run.info.run_id, "checkpoint/loss")) == [10, 20, 30, 40]
+    # the rate over the whole run has a name of its own, logged once, at the end
+    for key in ("train/mean_samples_per_s", "train/mean_steps_per_s"):
+        assert losses(client, run.info.run_id, key) == {40: [summary[key]]}, key
     # validated every 20 steps, and at each save point for its checkpoint's score (checkpoint.keep_best)
     assert sorted(losses(client, run.info.run_id, "val/accuracy")) == [10, 20, 30, 40]
     config = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text())
@@ -58,9 +69,9 @@ def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(make_cf
 def test_a_run_records_only_the_settings_of_the_components_it_chose(make_cfg, client):
     """Each option has its own settings: a CNN run has no MLP hidden sizes to show as `???`."""
     run = client.get_run(recipe.train(make_cfg("model=cnn", "trainer.max_steps=10"))["run_id"])
-    models = {key: value for key, value in run.data.params.items() if key.startswith("model.")}
+    models = {key: value for key, value in run.data.params.items() if key.startswith("model")}
     assert models == {
-        "model._target_": "{{cookiecutter.package}}.models.CNN",
+        "model": "CNN",
         "model.channels": "[16, 32]",
         "model.dropout": "0.1",
     }

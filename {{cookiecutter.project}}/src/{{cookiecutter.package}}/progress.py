@@ -45,11 +45,12 @@ class Progress:
 
 class Throughput:
     """Steps, and the task's units (samples, tokens), per second: over the window since the last
-    log, and over the run. A count may be a tensor on the device (tokens that are not padding):
-    it is read only when a rate is."""
+    log (`train/samples_per_s`, logged at each logging step), and over the whole run
+    (`train/mean_samples_per_s`, at its end and in the sweep table). A count may be a tensor on the
+    device (tokens that are not padding): it is read only when a rate is."""
 
     def __init__(self, unit: str) -> None:
-        self.unit, self.rate = unit, f"train/{unit}_per_s"
+        self.unit, self.rate, self.mean = unit, f"train/{unit}_per_s", f"train/mean_{unit}_per_s"
         self.started = self.window_started = time.perf_counter()
         self.steps = self.units = self.window_steps = self.window_units = 0
 
@@ -70,4 +71,4 @@ class Throughput:
 
     def total(self) -> dict[str, float]:
         seconds = time.perf_counter() - self.started
-        return {"train/steps_per_s": self.steps / seconds, self.rate: float(self.units) / seconds}
+        return {"train/mean_steps_per_s": self.steps / seconds, self.mean: float(self.units) / seconds}

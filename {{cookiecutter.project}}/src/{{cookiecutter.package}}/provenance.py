@@ -17,10 +17,16 @@ from .distributed import World
 PARAM_NAME = re.compile(r"[\w\-. /]+")  # what MLflow admits in a param's name
 
 
+# Settings that say where a run keeps things, not what it trains: tags, so that the UI's compare
+# views and parallel coordinates show what differs in training.
+WHERE = ("checkpoint.dir", "mlflow.tracking_uri")
+
+
 def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict[str, str], dict[str, str], str]:
-    """What a run records of itself: every setting as a param, where and how it really ran as
-    tags (what the MLflow UI needs to compare runs), with the tags of its `lineage` (where its
-    weights came from: checkpoint/initial.py), and the resolved config."""
+    """What a run records of itself: every setting that shapes training as a param, each
+    component by its short name (`optimizer=AdamW`; its `_target_` whole as a tag); where and how
+    it really ran as tags (what the MLflow UI needs to compare runs), with the tags of its
+    `lineage` (where its weights came from: checkpoint/initial.py); and the resolved config."""
     device = world.device
     tags = {
         "strategy": cfg.strategy.type,
@@ -46,6 +52,11 @@ def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict
     del params["mlflow.run_name"]  # the run's own name, and it may differ on resume
     if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
         del params["amp.dtype"]
+    tags.update({key: params.pop(key) for key in WHERE})
+    for key in [key for key in params if key.endswith("._target_")]:
+        component = key.removesuffix("._target_")
+        tags[key] = params.pop(key)
+        params[component] = tags[key].rsplit(".", 1)[-1]
     return params, tags, OmegaConf.to_yaml(cfg, resolve=True)
 
 

@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = "mlflow_parent_run_id"
 RESULT_FILE = "job_result.json"
-# The table's columns; every val/<metric> the jobs report, then their throughput in the task's
-# unit (train/samples_per_s, train/tokens_per_s), go between these two groups.
+# The table's columns; every val/<metric> the jobs report, then their throughput over the whole
+# job in the task's unit (train/mean_samples_per_s, train/mean_tokens_per_s), go between these two groups.
 FIRST_COLUMNS = ("job", "status", "train/loss")
 LAST_COLUMNS = ("continuity", "run_id", "error")
 
@@ -214,7 +214,7 @@ def summary_table(results: list[dict]) -> str:
 
     scores = sorted({key for result in results for key in result if key.startswith("val/")})
     rates = sorted(
-        {key for result in results for key in result if key.endswith("_per_s") and key != "train/steps_per_s"}
+        {key for result in results for key in result if key.endswith("_per_s") and key != "train/mean_steps_per_s"}
     )
     columns = (*FIRST_COLUMNS, *scores, *rates, *LAST_COLUMNS)
     rows = [columns, *([cell(result, column) for column in columns] for result in results)]

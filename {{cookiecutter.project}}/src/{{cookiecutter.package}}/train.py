@@ -278,6 +278,7 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     """The final validation and the last save, which must succeed; the run's result, the same
     on every process (the MLflow run id is rank 0's)."""
     val = validate(run, trained.get("train/loss"))  # no loss when no step was left to train
+    run.tracker.log_metrics({key: value for key, value in trained.items() if key.startswith("train/mean_")}, run.step)
     checkpoints.final(run.step)
     if run.monitor.stopped:
         run.tracker.set_tags({"stopped_early": str(run.step)})
