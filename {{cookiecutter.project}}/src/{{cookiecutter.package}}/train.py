@@ -224,10 +224,10 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
 
 def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str, float]:
     """11. Trains to `trainer.max_steps`, a signal or an early stop (monitor.py); saves on
-    schedule. A save that fails (a full disk) costs a warning and is tried again at the next save
-    point; a loss that is not finite
-    stops the run before it can save (divergence.py). Returns the last loss and the throughput,
-    or nothing when there was no step left to train."""
+    schedule, each save validated for its rank (checkpoint.keep_best). A save that fails (a full
+    disk) costs a warning and is tried again at the next save point; a loss that is not finite
+    stops the run before it can save (divergence.py). Returns the last loss and the throughput
+    over the run, or nothing when there was no step left to train."""
     trainer, save_every, keep_best = run.trainer, run.cfg.checkpoint.every_n_steps, run.cfg.checkpoint.keep_best
     loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
     stream = batches(loader, run.position)
