@@ -27,6 +27,7 @@ BASE = {
     "trainer.log_every_n_steps": "1",
     "trainer.val_every_n_steps": "20",
     "checkpoint.every_n_steps": "10",
+    "mlflow.log_models": "none",  # a model logged costs seconds at each run's end: the tests of models ask for it
 }
 
 
@@ -112,17 +113,24 @@ def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[i
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """run.py and configs/ copied to a temporary folder: `python run.py` there keeps its default
-    paths (mlflow.db, checkpoints/) out of the real project."""
-    shutil.copy(PROJECT / "run.py", tmp_path / "run.py")
+    """run.py, eval.py, export.py and configs/ copied to a temporary folder: `python run.py` there
+    keeps its default paths (mlflow.db, checkpoints/) out of the real project. As in BASE, no model
+    is logged to MLflow unless a test asks for it (mlflow.log_models=best)."""
+    for script in ("run.py", "eval.py", "export.py"):
+        shutil.copy(PROJECT / script, tmp_path / script)
     shutil.copytree(PROJECT / "configs", tmp_path / "configs")
+    settings = tmp_path / "configs" / "mlflow" / "default.yaml"
+    settings.write_text(settings.read_text().replace("\nlog_models: best\n", "\nlog_models: none\n"))
+    assert "log_models: none" in settings.read_text()
     return tmp_path
 
 
-def start(project: Path, *overrides: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
-    """`python run.py ...` in `project`, as a person would type it."""
+def start(
+    project: Path, *overrides: str, env: dict[str, str] | None = None, script: str = "run.py", **popen
+) -> subprocess.Popen:
+    """`python run.py ...` (or another `script`) in `project`, as a person would type it."""
     return subprocess.Popen(
-        [sys.executable, "run.py", *overrides],
+        [sys.executable, script, *overrides],
         cwd=project,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -132,8 +140,10 @@ def start(project: Path, *overrides: str, env: dict[str, str] | None = None, **p
     )
 
 
-def run_cli(project: Path, *overrides: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    process = start(project, *overrides)
+def run_cli(
+    project: Path, *overrides: str, timeout: float = 180, script: str = "run.py"
+) -> subprocess.CompletedProcess:
+    process = start(project, *overrides, script=script)
     stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 

@@ -117,12 +117,13 @@ def torchrun(
     restarts: int = 0,
     output: IO | int = subprocess.PIPE,
     rendezvous: tuple[str, ...] = ("--standalone",),
+    script: str = "run.py",
 ) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node=2 --max-restarts=0 run.py strategy=ddp device=cpu ...`
-    in `project`, its stdout and stderr to `output` (a file for a job that says more than a pipe
-    holds before the test reads it)."""
+    (or another `script`) in `project`, its stdout and stderr to `output` (a file for a job that
+    says more than a pipe holds before the test reads it)."""
     launch = [*rendezvous, f"--nproc-per-node={processes}", f"--max-restarts={restarts}"]
-    command = [sys.executable, "-m", "torch.distributed.run", *launch, "run.py"]
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, script]
     settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
     return subprocess.Popen([*command, *settings], cwd=project, stdout=output, stderr=output, text=True, env=env)
 

@@ -53,19 +53,34 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
 def build(group: str, node: DictConfig, **runtime: object) -> Any:
     """The component `node` describes, given those of `runtime` that its constructor names. A
     constructor that refuses a value (ValueError, or RunError) stops the run in one line."""
-    settings = _settings(node, group)
-    target = get_object(node._target_)
-    named = _parameters(target)
-    given = {key: value for key, value in runtime.items() if key in named}
-    if group.split(".")[0] in GIVEN_FACTS:
-        _check_facts(group, node._target_, named, settings, runtime)
+    settings, given = _arguments(group, node, runtime)
     try:
-        return instantiate({"_target_": node._target_, **settings}, _convert_="all", **given)
+        return instantiate(settings, _convert_="all", **given)
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, ValueError | RunError):
             raise RunError(f"{group} ({node._target_}): {first_line(cause)}") from None
         raise
+
+
+def described(group: str, node: DictConfig, **facts: object) -> dict:
+    """The component as plain values: its `_target_`, its settings and the facts its constructor
+    takes, which `hydra.utils.instantiate` builds again anywhere (export.py's sidecar)."""
+    settings, given = _arguments(group, node, facts)
+    try:
+        return OmegaConf.to_container(OmegaConf.create({**settings, **given}))
+    except OmegaConfBaseException as error:
+        raise RunError(f"{group} ({node._target_}) takes a value that is not plain data: {first_line(error)}") from None
+
+
+def _arguments(group: str, node: DictConfig, runtime: dict[str, object]) -> tuple[dict, dict]:
+    """What `node` gives its constructor, with its `_target_`, checked; and those of `runtime`
+    that the constructor names."""
+    settings = _settings(node, group)
+    named = _parameters(get_object(node._target_))
+    if group.split(".")[0] in GIVEN_FACTS:
+        _check_facts(group, node._target_, named, settings, runtime)
+    return {"_target_": node._target_, **settings}, {key: value for key, value in runtime.items() if key in named}
 
 
 def _check_facts(

@@ -74,6 +74,7 @@ class MlflowConfig:
     run_name: str | None = None
     system_metrics: bool = False  # CPU, memory, disk, network and GPU as system/* metrics (needs psutil)
     parent_run_id: str | None = None  # nests the run under another: a sweep's jobs under the sweep's run
+    log_models: str = "best"  # best | final | both | none: the models logged as the run finishes
 
 
 @dataclass
@@ -228,6 +229,7 @@ CHOICES = {
     "checkpoint.continuity.on_mismatch": ("warn", "error"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
     "optimized_mode": ("min", "max"),
+    "mlflow.log_models": ("best", "final", "both", "none"),
 }
 # (key, what a valid value satisfies, what to say otherwise); a None value (an option that is
 # off, such as grad_clip=null) is not checked.

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
+from . import components
 from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
@@ -29,10 +30,19 @@ class Data:
     """What a `data` component returns: the datasets, and facts about them that the other
     components may need, each given to a constructor parameter of its name (components.py):
     `Data(train, val, input_shape=(1, 8, 8), num_classes=10)` for the digits,
-    `Data(train, val, vocab_size=98, block_size=64)` for a language model."""
+    `Data(train, val, vocab_size=98, block_size=64)` for a language model. A `test` split, if
+    given, is held out of training and validation alike: only eval.py reads it."""
 
-    def __init__(self, train: Dataset, val: Dataset, **facts: Any) -> None:
-        self.train, self.val, self.facts = train, val, facts
+    def __init__(self, train: Dataset, val: Dataset, test: Dataset | None = None, **facts: Any) -> None:
+        self.train, self.val, self.test, self.facts = train, val, test, facts
+
+
+def build_data(cfg: DictConfig) -> Data:
+    """The `data` component, which must return a Data."""
+    data = components.build("data", cfg)
+    if not isinstance(data, Data):
+        raise RunError(f"data ({cfg._target_}) returned a {type(data).__name__}; it must return data.Data")
+    return data
 
 
 @dataclass

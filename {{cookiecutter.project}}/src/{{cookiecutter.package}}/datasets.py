@@ -24,26 +24,30 @@ from .data import Data
 SPLIT_SEED = 0
 
 
-def digits(val_fraction: float) -> Data:
-    """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes, no download), as 1x8x8 images."""
-    if not 0 < val_fraction < 1:
+def digits(val_fraction: float, test_fraction: float = 0.0) -> Data:
+    """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes, no download), as 1x8x8 images;
+    with `test_fraction`, a test split that only eval.py reads, taken from the end of the training
+    samples (validation stays the same samples)."""
+    if not 0 < val_fraction < 1 or not 0 <= test_fraction < 1 - val_fraction:
         raise ValueError(
-            f"val_fraction={val_fraction} must be above 0 and below 1: both training and validation need samples"
+            f"val_fraction={val_fraction} must be above 0 and below 1, and test_fraction={test_fraction} at least 0 "
+            f"and below 1 - val_fraction: training needs samples"
         )
     rows = read_digits()
     images = torch.tensor(rows[:, :-1], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0  # pixel values are 0..16
     targets = torch.tensor(rows[:, -1], dtype=torch.long)
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    num_val = int(len(images) * val_fraction)
-    if not 0 < num_val < len(images):
+    num_val, num_test = int(len(images) * val_fraction), int(len(images) * test_fraction)
+    if not 0 < num_val < len(images) - num_test:
         raise ValueError(
             f"val_fraction={val_fraction} leaves {num_val} of {len(images)} samples for validation; "
             f"both training and validation need some: try data.val_fraction=0.2"
         )
-    val, train = order[:num_val], order[num_val:]
+    val, train, test = order[:num_val], order[num_val : len(images) - num_test], order[len(images) - num_test :]
     return Data(
         train=TensorDataset(images[train], targets[train]),
         val=TensorDataset(images[val], targets[val]),
+        test=TensorDataset(images[test], targets[test]) if num_test else None,
         input_shape=tuple(images.shape[1:]),
         num_classes=int(targets.max()) + 1,
     )

@@ -66,10 +66,11 @@ def describe(device: torch.device) -> str:
 def audit_placement(
     device: torch.device,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
-    """Stops the run, naming each tensor that is not on `device`, before the first step.
+    """Stops the run, naming each tensor that is not on `device`, before the first step (or the
+    evaluation: no optimizer, no scaler).
 
     The two usual causes get their own hint: a submodule created after `model.to(device)` (a new
     head for fine-tuning), and optimizer state restored before the model was moved.
@@ -81,7 +82,7 @@ def audit_placement(
     ]
     names = {param: name for name, param in model.named_parameters()}
     misplaced_state = []
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if optimizer is not None else []:
         # Non-fused, non-capturable optimizers keep `step` as a CPU scalar on purpose.
         cpu_step_allowed = not (group.get("fused") or group.get("capturable"))
         for param in group["params"]:
@@ -98,7 +99,9 @@ def audit_placement(
                 misplaced_state.append(f"optimizer state {key!r} of model.{names[param]} is on {value.device}")
     scaler_device = getattr(scaler, "_device", device.type)
     misplaced_scaler = (
-        [] if not scaler.is_enabled() or scaler_device == device.type else [f"GradScaler is for {scaler_device}"]
+        []
+        if scaler is None or not scaler.is_enabled() or scaler_device == device.type
+        else [f"GradScaler is for {scaler_device}"]
     )
 
     problems = misplaced_model + misplaced_state + misplaced_scaler

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 
 from .devices import ACCELERATORS, resolve_device
 from .errors import RunError
@@ -112,6 +113,11 @@ class World:
         return int(flag.item())
 
 
+def script() -> str:
+    """The script that Hydra started (run.py, eval.py), for a message that repeats the command."""
+    return f"{HydraConfig.get().job.name}.py" if HydraConfig.initialized() else "run.py"
+
+
 @contextlib.contextmanager
 def join(cfg: "Config") -> Iterator[World]:
     """This process's World for the life of the block: its device resolved (a missing
@@ -123,7 +129,7 @@ def join(cfg: "Config") -> Iterator[World]:
         if size > 1:
             raise RunError(
                 f"this process is one of {size} (started by torchrun or SLURM), but strategy=single trains in "
-                f"one; add strategy=ddp, or start it with python run.py"
+                f"one; add strategy=ddp, or start it with python {script()}"
             )
         yield World(resolve_device(cfg.device))
         return
@@ -132,7 +138,7 @@ def join(cfg: "Config") -> Iterator[World]:
         arguments = " ".join(sys.argv[1:])
         raise RunError(
             f"strategy={cfg.strategy.type} runs one process per device, started by torchrun: "
-            f"torchrun --nproc-per-node=<devices> run.py {arguments}"
+            f"torchrun --nproc-per-node=<devices> {script()} {arguments}"
         )
     check_device_per_process(cfg)
     rank, local_rank = (0, 0) if alone else (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))

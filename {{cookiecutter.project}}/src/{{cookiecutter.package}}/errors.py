@@ -1,5 +1,12 @@
 """The exceptions that reach the person running the job, each said in one line."""
 
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class RunError(Exception):
     """A problem the person running the job can fix: printed as one line, without a traceback.
@@ -30,3 +37,14 @@ def first_line(error: BaseException) -> str:
         error = error.__cause__.orig
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def reported(work: Callable[[], T]) -> T:
+    """`work()`; a RunError it raises is printed as one line, without a traceback, and the process
+    exits with 2. Every process prints it: the one that failed may not be rank 0."""
+    try:
+        return work()
+    except RunError as error:
+        rank = os.environ.get("RANK", "0")
+        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

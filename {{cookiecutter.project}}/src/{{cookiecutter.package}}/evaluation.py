@@ -16,7 +16,7 @@ from torchmetrics.aggregation import SumMetric
 
 from . import components
 from .errors import RunError, first_line
-from .parts import Run
+from .parts import Evaluable
 from .precision import autocast
 
 
@@ -26,10 +26,10 @@ def build_metrics(cfg: DictConfig, facts: dict[str, Any], device: torch.device) 
 
 
 @torch.no_grad()
-def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, float]:
-    """`val/loss`, the mean loss per unit the task counts (sample, token), and `val/<name>` for
-    each metric. `shared`: each process holds a share of the samples, and the results combine all
-    shares (a collective step); otherwise only the loss, over this process's loader alone."""
+def evaluate(run: Evaluable, loader: DataLoader, shared: bool = True, split: str = "val") -> dict[str, float]:
+    """`<split>/loss`, the mean loss per unit the task counts (sample, token), and `<split>/<name>`
+    for each metric. `shared`: each process holds a share of the samples, and the results combine
+    all shares (a collective step); otherwise only the loss, over this process's loader alone."""
     run.model.eval()
     # Sums, not MeanMetric: with nan_strategy="disable" MeanMetric drops the weights (torchmetrics
     # 1.9), and its mean would be one of batch means. NaN kept, not dropped with a warning
@@ -50,15 +50,15 @@ def evaluate(run: Run, loader: DataLoader, shared: bool = True) -> dict[str, flo
         for metric in metrics.values():
             metric.update(outputs, targets)
     run.model.train()
-    results = {"val/loss": (total.compute() / units.compute()).item()}
+    results = {f"{split}/loss": (total.compute() / units.compute()).item()}
     for name, metric in metrics.items():
-        results[f"val/{name}"] = metric.compute().item()
+        results[f"{split}/{name}"] = metric.compute().item()
         metric.reset()
     return results
 
 
 @torch.no_grad()
-def check_wiring(run: Run) -> None:
+def check_wiring(run: Evaluable) -> None:
     """One validation batch through the task, the model, the loss and every metric, on the run's
     device, before the first step (of a resumed run too): a component that does not fit the others
     stops the run here, in one line naming it and the shapes, not at a validation hours later.
@@ -74,7 +74,7 @@ def check_wiring(run: Run) -> None:
         raise RunError(problems[0])
 
 
-def wiring_problem(run: Run, batch: Any) -> str | None:
+def wiring_problem(run: Evaluable, batch: Any) -> str | None:
     """What does not fit in the data -> task -> model -> loss -> metrics chain for one batch, or None."""
     cfg, failures = run.cfg, (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
     try:
@@ -134,7 +134,7 @@ def shape(value: Any) -> str:
     return type(value).__name__
 
 
-def in_step(loader: DataLoader, run: Run, shared: bool) -> Iterator[tuple[Any, bool]]:
+def in_step(loader: DataLoader, run: Evaluable, shared: bool) -> Iterator[tuple[Any, bool]]:
     """The loader's batches, each with True: it counts; then, where each forward is a collective
     step (strategy=fsdp gathers parameters from every process), the last batch again with False,
     until this process has run as many forwards as the process whose share of the samples has the

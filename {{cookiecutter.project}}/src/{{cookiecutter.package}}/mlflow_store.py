@@ -323,6 +323,9 @@ class _Sender:
                     self._send()
             elif "tags" in item:
                 set_tags(self._client, self._run_id, item["tags"])
+            elif "models" in item:
+                self._send(force=True)  # the metrics of their steps first: MLflow links those to each model
+                log_models(self._client, self._run_id, item["models"])
             else:
                 end = item["end"]
 
@@ -372,6 +375,45 @@ class _Sender:
         )
 
 
+def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
+    """Each checkpoint `asked` names as an MLflow model of the run (a LoggedModel: the Models tab,
+    `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step. The
+    model is built from its description, given the checkpoint's weights through the project's own
+    loaders, on the CPU, and saved as a traced graph (`torch.export`, "pt2": loading it runs no
+    pickle), its batch size left free by an example of two samples. A model that cannot be logged
+    warns: the checkpoint stays, and the run's metrics and end are delivered all the same."""
+    import mlflow.pytorch  # torch and its flavor (3 s) only in a sender that logs a model
+    import torch
+    from hydra.utils import instantiate
+
+    from .checkpoint.initial import load_weights
+    from .checkpoint.resume import load
+
+    # The run's experiment: MLflow files a model under the active one, not its run's.
+    mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
+    example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
+    requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
+    for checkpoint in asked["checkpoints"]:
+        try:
+            model = instantiate(asked["model"])
+            load_weights(model, load(Path(checkpoint["path"])), [], shards=False, fine_tuning=False)
+            mlflow.pytorch.log_model(
+                model.eval(),
+                name=checkpoint["name"],
+                step=checkpoint["step"],
+                run_id=run_id,
+                input_example=example.numpy(),  # numpy: MLflow infers a TensorSpec signature from it
+                serialization_format="pt2",
+                pip_requirements=requirements,
+                tags={"checkpoint": checkpoint["path"]},
+            )
+        except Exception as error:
+            log.warning(
+                f"the {checkpoint['name']} model was not logged to MLflow ({first_line(error)}); its checkpoint "
+                f"{checkpoint['path']} stays, and export.py writes its weights"
+            )
+
+
 def drain() -> None:
     """The sender process: waits for the first line on stdin, which asks for a run, opens it and
     answers its id on stdout, then delivers what follows until stdin ends. Started ahead of the
@@ -419,6 +461,7 @@ def drain() -> None:
                 opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri
             )
             monitor.start()
+        mlflow.set_tracking_uri(cfg.tracking_uri)  # where mlflow.pytorch.log_model writes (log_models)
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
         _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor).run()
     finally:

@@ -1,7 +1,8 @@
 """What a training step touches and a checkpoint saves: the parts of a run, assembled by the
-recipe (train.py) in its order, and read by validation and the continuity check."""
+recipe (train.py) in its order, and read by validation and the continuity check; and the part of
+them that a validation alone needs (eval.py)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -24,7 +25,11 @@ from .tracking import Tracker
 
 
 @dataclass
-class Run:
+class Evaluable:
+    """What a validation touches: the model built and placed, the task, loss and metrics that judge
+    it, and this process's share of the validation set. eval.py builds these alone; a Run adds the
+    rest of training to them."""
+
     cfg: Config
     world: World  # this process among the job's, and its device
     strategy: Single  # how the model is spread over the processes
@@ -32,18 +37,8 @@ class Run:
     task: Supervised  # what a batch holds for the model, and how its outputs become the loss
     val_loader: DataLoader  # this process's share of the validation set
     model: nn.Module  # what is saved, evaluated and audited (under fsdp, sharded in place)
-    wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
     criterion: nn.Module
     metrics: dict[str, Metric]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: Scaler
-    position: Position  # in the training data
-    probe: Probe
-    tracker: Tracker
-    monitor: Monitor  # optimized_metric's best value, and early stopping
-    rng: RandomState
-    step: int = 0  # optimizer steps taken
     # The settings every step reads, copied out of `cfg` as plain objects: a step read about
     # twenty of them from the DictConfig, at several microseconds each (bench/step_overhead.py).
     trainer: TrainerConfig = field(init=False)
@@ -60,3 +55,22 @@ class Run:
 
     def place(self, batch: Any) -> Any:
         return to_device(batch, self.device, self.non_blocking, self.trainer.channels_last)
+
+
+@dataclass
+class Run(Evaluable):
+    wrapped: nn.Module  # what training calls: the model in DistributedDataParallel, or the model
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Scaler
+    position: Position  # in the training data
+    probe: Probe
+    tracker: Tracker
+    monitor: Monitor  # optimized_metric's best value, and early stopping
+    rng: RandomState
+    step: int = 0  # optimizer steps taken
+
+    @classmethod
+    def around(cls, built: Evaluable, **training: Any) -> "Run":
+        """A run of the parts `built` and those that train them."""
+        return cls(**{part.name: getattr(built, part.name) for part in fields(Evaluable) if part.init}, **training)

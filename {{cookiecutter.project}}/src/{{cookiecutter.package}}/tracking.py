@@ -136,6 +136,14 @@ class Tracker:
         if self._sender is not None:
             self._sender.send({"tags": tags})
 
+    def log_models(self, checkpoints: list[dict], model: dict, example: dict) -> None:
+        """Asks the sender to log the model of each of `checkpoints` (name, path, step) as an MLflow
+        model of the run, once the metrics before are delivered; `model` builds it (its `_target_`
+        and arguments), `example` is an input it takes (values, dtype). The sender reads the weights
+        and writes the copy: training does not wait."""
+        if self._sender is not None and checkpoints:
+            self._sender.send({"models": {"checkpoints": checkpoints, "model": model, "example": example}})
+
     def flush(self) -> None:
         """Hands every metric so far to the sender process, which delivers them even if this
         process dies next; does not wait for the store."""

@@ -7,8 +7,6 @@ one is how the failures this project exists to prevent come back.
 
 import contextlib
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -22,14 +20,14 @@ from .checkpoint.home import claim
 from .checkpoint.manager import Checkpointer
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values
-from .data import Data, Position, batches, build_loader, evaluation_loader
+from .data import Position, batches, build_data, build_loader, evaluation_loader
 from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
 from .divergence import Divergence
-from .errors import RunError
+from .errors import RunError, reported
 from .evaluation import build_metrics, check_wiring, evaluate
 from .monitor import Monitor
-from .parts import Run
+from .parts import Evaluable, Run
 from .precision import autocast, build_scaler
 from .precision import describe as describe_amp
 from .preemption import Preemption, Stopped
@@ -49,12 +47,7 @@ def main(cfg: DictConfig) -> dict | float | None:
     job = current_job()
     if job is not None:
         return job.run(train, cfg)
-    try:
-        return train(cfg)
-    except RunError as error:
-        rank = os.environ.get("RANK", "0")  # every process prints it: the one that failed may not be rank 0
-        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return reported(lambda: train(cfg))
 
 
 def train(cfg: Config) -> dict:
@@ -95,6 +88,8 @@ def train_in(cfg: Config, world: World) -> dict:
                     result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
                 # Short of max_steps: stopped by a signal, unless early stopping ended it.
                 status = "FINISHED" if run.step >= cfg.trainer.max_steps or run.monitor.stopped else "KILLED"
+                if status == "FINISHED":  # one stopped to come back logs its models when it ends
+                    log_models(run, checkpoints)
             finally:
                 run.tracker.finish(status)
 
@@ -119,21 +114,9 @@ def describe_world(world: World) -> str:
 def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Checkpoint | None]:
     """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
     the checkpoint `resume=` names (returned), and audited."""
-    device, strategy = world.device, strategies.choose(cfg, world)
-    # 3. The data, and the task that says what its batches hold for the model; then the whole
-    #    model, with any structural change (a new head) made in its constructor: the move below
-    #    carries only the submodules that exist now. Each is given the data's facts that its
-    #    constructor names (components.py).
-    data = components.build("data", cfg.data)
-    if not isinstance(data, Data):
-        raise RunError(f"data ({cfg.data._target_}) returned a {type(data).__name__}; it must return data.Data")
-    task = components.build("task", cfg.task, **data.facts)
-
-    # 4. Model, loss and metrics to the device. Under fsdp the model is built without memory,
-    #    sharded, and then given memory on the device, each process only its shard.
-    model = strategy.build(lambda: components.build("model", cfg.model, **data.facts))
-    criterion = components.build("loss", cfg.loss, **data.facts).to(device)
-    metrics = build_metrics(cfg.metrics, data.facts, device)
+    strategy = strategies.choose(cfg, world)
+    built = build(cfg, world, strategy)  # steps 3 and 4
+    model = built.model
 
     # 5. The layers that do not train (init.freeze), frozen before DistributedDataParallel, which
     #    averages the gradients of the parameters that train when it wraps, and broadcasts rank
@@ -145,25 +128,17 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     #    optimizer's groups by optimizer.lr_multipliers (param_groups.py).
     optimizer = param_groups.build_optimizer(cfg.optimizer, model)
     scheduler = components.build("scheduler", cfg.scheduler, optimizer=optimizer)
-    run = Run(
-        cfg,
-        world,
-        strategy,
-        data,
-        task,
-        evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device, world),
-        model,
-        wrapped,
-        criterion,
-        metrics,
-        optimizer,
-        scheduler,
-        build_scaler(cfg.amp, device),
-        Position(),
-        Probe(data.val, cfg.checkpoint.continuity.probe_size, cfg.data.batch_size),
-        Tracker(cfg.mlflow, home, main=world.is_main),
-        Monitor(cfg),
-        RandomState(world, cfg.seed),
+    run = Run.around(
+        built,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=build_scaler(cfg.amp, world.device),
+        position=Position(),
+        probe=Probe(built.data.val, cfg.checkpoint.continuity.probe_size, cfg.data.batch_size),
+        tracker=Tracker(cfg.mlflow, home, main=world.is_main),
+        monitor=Monitor(cfg),
+        rng=RandomState(world, cfg.seed),
     )
 
     # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
@@ -217,9 +192,28 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     #    (again after the first step, in `fit`); then one batch through model, loss and metrics,
     #    so a part that does not fit the others stops the run now, before MLflow or a checkpoint
     #    hears of it.
-    audit_placement(device, run.model, run.optimizer, run.scaler)
+    audit_placement(run.device, run.model, run.optimizer, run.scaler)
     check_wiring(run)
     return run, checkpoints, found
+
+
+def build(cfg: Config, world: World, strategy: strategies.Single) -> Evaluable:
+    """Steps 3 and 4, which eval.py takes too: the data, the task, and the model, loss and metrics
+    on the device, with this process's share of the validation set."""
+    # 3. The data, and the task that says what its batches hold for the model; then the whole
+    #    model, with any structural change (a new head) made in its constructor: the move below
+    #    carries only the submodules that exist now. Each is given the data's facts that its
+    #    constructor names (components.py).
+    data = build_data(cfg.data)
+    task = components.build("task", cfg.task, **data.facts)
+
+    # 4. Model, loss and metrics to the device. Under fsdp the model is built without memory,
+    #    sharded, and then given memory on the device, each process only its shard.
+    model = strategy.build(lambda: components.build("model", cfg.model, **data.facts))
+    criterion = components.build("loss", cfg.loss, **data.facts).to(world.device)
+    metrics = build_metrics(cfg.metrics, data.facts, world.device)
+    val_loader = evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device, world)
+    return Evaluable(cfg, world, strategy, data, task, val_loader, model, criterion, metrics)
 
 
 def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str, float]:
@@ -285,6 +279,24 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
         log.info(f"stopped early at step {run.step}: {run.monitor.explain()}")
     run_id = run.world.broadcast(run.tracker.run_id)
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
+
+
+def log_models(run: Run, checkpoints: Checkpointer) -> None:
+    """12. The models out: the checkpoints `mlflow.log_models` names, as MLflow models of the run,
+    which the sender process builds from the model's description, the checkpoint's weights and an
+    input of two validation samples (rank 0's: the one that tracks)."""
+    if not run.world.is_main or run.cfg.mlflow.log_models == "none":
+        return
+    inputs, _ = run.task.split(next(iter(run.val_loader)))
+    try:
+        if not isinstance(inputs, torch.Tensor):
+            raise RunError(f"the model takes a {type(inputs).__name__}, and MLflow's models take tensors")
+        model = components.described("model", run.cfg.model, **run.data.facts)
+    except RunError as error:
+        log.warning(f"no model is logged to MLflow: {error}; export.py writes the weights")
+        return
+    example = {"values": inputs[:2].tolist(), "dtype": str(inputs.dtype).removeprefix("torch.")}
+    run.tracker.log_models(checkpoints.kept(run.cfg.mlflow.log_models), model, example)
 
 
 def train_step(run: Run, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None, int | torch.Tensor]:

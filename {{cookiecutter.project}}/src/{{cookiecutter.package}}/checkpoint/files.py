@@ -49,6 +49,21 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: b
         raise
 
 
+def write_new(path: Path, write: Callable[[Path], object]) -> None:
+    """`path` created, on disk, from the file `write` writes at the path it is given, whole or not
+    at all. Whatever stands at `path` already (a file, a link) stays as it is: FileExistsError."""
+    scratch = temporary(path)
+    try:
+        write(scratch)
+        with open(scratch, "rb") as file:
+            os.fsync(file.fileno())
+        os.link(scratch, path)  # unlike a rename, refuses a name that is taken
+    finally:
+        with contextlib.suppress(OSError):
+            scratch.unlink(missing_ok=True)
+    sync_folder(path.parent)
+
+
 def write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda file: file.write(text.encode()), durable=False)
 

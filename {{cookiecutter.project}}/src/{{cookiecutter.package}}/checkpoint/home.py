@@ -189,6 +189,11 @@ def completed(path: Path, keep_last: int, score: dict | None = None) -> None:
             remove(older)
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint by its name (path_of's)."""
+    return int(NAME.fullmatch(path.name)[1])
+
+
 def best_of(home: Path) -> Path | None:
     """The checkpoint `best` names, if it is still there."""
     try:

@@ -13,29 +13,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
-from ..config import NAME, home_of
 from ..errors import RunError, listed
 from . import onefile
 from .compatibility import mismatches, saved_shapes, shapes_of
-from .home import has_checkpoints
-from .resume import at
+from .resume import at, locate
 from .schema import STATE, Checkpoint
 
 
 def find(cfg: DictConfig) -> Checkpoint:
-    """The checkpoint `init.checkpoint` names (`locate`), loaded and, with checkpoint.verify, checked."""
+    """The checkpoint `init.checkpoint` names (resume.locate), loaded and, with checkpoint.verify, checked."""
     asked = f"init.checkpoint={cfg.init.checkpoint}"
-    return at(locate(cfg), cfg.checkpoint.verify, asked, "the name of a run with checkpoints")
-
-
-def locate(cfg: DictConfig) -> Path:
-    """Where `init.checkpoint` points: a plain name is a run's, its home (its newest valid
-    checkpoint), when that run has saved; else, and for any other text, a path: a checkpoint file,
-    a folder of shards, a home, or a home's `latest`."""
-    named = cfg.init.checkpoint
-    if "/" not in named and NAME.fullmatch(named) and has_checkpoints(home := home_of(cfg, named)):
-        return home
-    return Path(named).expanduser().absolute()
+    return at(locate(cfg, cfg.init.checkpoint), cfg.checkpoint.verify, asked, "the name of a run with checkpoints")
 
 
 def check_apart(cfg: DictConfig) -> None:
@@ -43,7 +31,7 @@ def check_apart(cfg: DictConfig) -> None:
     and its saves would prune them."""
     if cfg.init.checkpoint is None:
         return
-    home, source = Path(cfg.checkpoint.dir).resolve(), locate(cfg).resolve()
+    home, source = Path(cfg.checkpoint.dir).resolve(), locate(cfg, cfg.init.checkpoint).resolve()
     if source == home or home in source.parents:
         raise RunError(
             f"init.checkpoint={cfg.init.checkpoint} names this run's own checkpoints ({home}); a fine-tune is a run "
@@ -51,10 +39,13 @@ def check_apart(cfg: DictConfig) -> None:
         )
 
 
-def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards: bool) -> list[str]:
+def load_weights(
+    model: nn.Module, saved: Checkpoint, ignore: list[str], shards: bool, fine_tuning: bool = True
+) -> list[str]:
     """The model weights of `saved`, but the keys `ignore` matches, copied into `model` where it
     is (a collective step where the model is sharded or the checkpoint is); returns the keys left
-    as built. Refuses, naming them, keys that do not meet their twin."""
+    as built. Refuses, naming them, keys that do not meet their twin; the fix it offers is
+    init.ignore when `fine_tuning` (a model with new layers), else the config `saved` was trained with."""
     built, stored = shapes_of(model), saved_shapes(saved)
     for glob in ignore:
         if not any(fnmatch.fnmatchcase(key, glob) for key in built.keys() | stored.keys()):
@@ -71,10 +62,13 @@ def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards:
     problems, keys = mismatches(built, stored, ignored)
     if problems:
         modules = sorted({key.rsplit(".", 1)[0] + ".*" if "." in key else key for key in keys})
-        raise RunError(
-            f"{saved.path} does not fit this model ({problems}); if those layers are new, keep them as built with "
-            f"'init.ignore=[{', '.join(modules)}]'; else init.checkpoint names a checkpoint of another model"
+        fix = (
+            f"if those layers are new, keep them as built with 'init.ignore=[{', '.join(modules)}]'; else "
+            f"init.checkpoint names a checkpoint of another model"
+            if fine_tuning
+            else f"give the overrides it was trained with (its model: {saved.setting('model', '_target_')})"
         )
+        raise RunError(f"{saved.path} does not fit this model ({problems}); {fix}")
     if saved.sharded or shards:
         from . import sharded  # torch.distributed.checkpoint only where a model or a checkpoint is in shards
 
@@ -84,30 +78,28 @@ def load_weights(model: nn.Module, saved: Checkpoint, ignore: list[str], shards:
     return sorted(ignored & built.keys())
 
 
-def lineage(saved: Checkpoint, ignored: list[str], frozen: int) -> dict:
-    """Where this run's weights came from, kept in each of its checkpoints and tagged in MLflow."""
+def lineage(saved: Checkpoint) -> dict:
+    """Where a model's weights came from: kept in each checkpoint of a fine-tune (with the keys
+    it left as built and the parameters it froze), tagged in MLflow, written beside an export."""
     return {
         "run_id": saved.part("tracker")["run_id"],
         "run_name": saved.run_name,
         "checkpoint": str(saved.path),
         "step": saved.step,
         "checksum": onefile.seal(saved.path / STATE if saved.sharded else saved.path),
-        "ignored": len(ignored),
-        "frozen": frozen,
     }
 
 
-def tags(source: dict | None) -> dict[str, str]:
-    """The MLflow tags of a run's lineage: `init.source_run_id` finds every fine-tune of a run."""
+CHOSEN = ("ignored", "frozen")  # a fine-tune's own choices, counted beside its source
+
+
+def tags(source: dict | None, prefix: str = "init") -> dict[str, str]:
+    """The MLflow tags of a lineage, `<prefix>.source_<key>`: `init.source_run_id` finds every
+    fine-tune of a run, `eval.source_run_id` every evaluation of it."""
     if source is None:
         return {}
-    found = {
-        "init.source_run_id": source["run_id"],
-        "init.source_run_name": source["run_name"],
-        "init.source_checkpoint": source["checkpoint"],
-        "init.source_step": source["step"],
-        "init.source_checksum": source["checksum"],
-        "init.ignored": source["ignored"],
-        "init.frozen": source["frozen"],
+    return {
+        f"{prefix}.{key}" if key in CHOSEN else f"{prefix}.source_{key}": str(value)
+        for key, value in source.items()
+        if value is not None
     }
-    return {key: str(value) for key, value in found.items() if value is not None}

@@ -22,8 +22,8 @@ from ..schedulers import hyperparameters, keep_configured
 from ..strategies import Single
 from . import compatibility, initial, onefile
 from .background import Snapshot, Writer
-from .home import path_of, rank, set_aside_newer
-from .resume import find, load
+from .home import best_of, path_of, rank, set_aside_newer, step_of
+from .resume import find, found_by_main
 from .schema import FORMAT_VERSION, LATER_PARTS, SHARDED_PARTS, Checkpoint
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Checkpointer:
         """The checkpoint `resume=` names, as rank 0 finds (and, with `checkpoint.verify`, checks)
         it, loaded into the parts on every process after checking that it can belong to them; the
         config's hyperparameters stay this run's. None: a fresh start."""
-        saved = self._located(lambda: find(resume, self.home, self.settings.verify))
+        saved = found_by_main(self.world, lambda: find(resume, self.home, self.settings.verify))
         if saved is None:
             return None
         optimizer, scheduler = self.parts["optimizer"], self.parts["scheduler"]
@@ -115,28 +115,13 @@ class Checkpointer:
     def start_from(self) -> None:
         """A fresh run's model weights from the checkpoint `init.checkpoint` names (fine-tuning), as
         rank 0 finds and checks it, into the model where it is; nothing else of it is loaded."""
-        saved = self._located(lambda: initial.find(self.cfg))
+        saved = found_by_main(self.world, lambda: initial.find(self.cfg))
         model = self.parts["model"]
         ignored = initial.load_weights(model, saved, list(self.cfg.init.ignore), self.strategy.shards)
         frozen = sum(not parameter.requires_grad for parameter in model.parameters())
-        self.source = initial.lineage(saved, ignored, frozen)
+        self.source = {**initial.lineage(saved), "ignored": len(ignored), "frozen": frozen}
         kept = f"; {len(ignored)} key(s) kept as built ({listed(ignored, most=4)})"
         log.info(f"starting from the weights of {saved.path} (step {saved.step}){kept if ignored else ''}")
-
-    def _located(self, find_it: Callable[[], Checkpoint | None]) -> Checkpoint | None:
-        """The checkpoint `find_it` finds on rank 0 (and checks, with checkpoint.verify), read on the
-        other processes from the same path without checking it again."""
-        found = None
-
-        def locate() -> Path | None:
-            nonlocal found
-            found = find_it()
-            return found and found.path
-
-        path = self.world.on_main(locate)
-        if path is None or self.world.is_main:
-            return found
-        return load(path, verify=False)
 
     def _load(self, saved: Checkpoint) -> None:
         """A sharded checkpoint loads on any number of processes; a one-file checkpoint into a
@@ -191,6 +176,15 @@ class Checkpointer:
                 f"{error}, so step {step} is not saved; {self.on_disk()}; free space or fix the folder, "
                 f"then continue with resume=last"
             ) from None
+
+    def kept(self, which: str) -> list[dict]:
+        """The checkpoints `mlflow.log_models` names (best, final, both, none), once the last save is
+        written: their names, paths and steps. The final one is left out where it is the best."""
+        found = {"best": best_of(self.home), "final": self.newest}
+        names = {"best": ["best"], "final": ["final"], "both": ["best", "final"], "none": []}[which]
+        if which == "both" and found["final"] == found["best"]:
+            names = ["best"]
+        return [{"name": name, "path": str(found[name]), "step": step_of(found[name])} for name in names if found[name]]
 
     def on_disk(self) -> str:
         """Where the run stands on disk, once the write in flight is done: for messages."""

@@ -1,9 +1,15 @@
-"""What `resume=` names, found and read: a checkpoint of either format, checked before anyone
-uses it, or the newest one of a folder that is whole."""
+"""What `resume=` names, and a checkpoint another setting names (`init.checkpoint`, eval.py's
+`checkpoint=`), found and read: a checkpoint of either format, checked before anyone uses it, or
+the newest one of a folder that is whole; found by rank 0 and read by every process."""
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from ..config import NAME, home_of
+from ..distributed import World
 from ..errors import CheckpointError, RunError
 from . import home as homes
 from . import onefile, schema
@@ -63,6 +69,31 @@ def at(path: Path, verify: bool, asked: str, instead: str) -> Checkpoint:
     if path.exists():
         return load(path, verify)
     raise RunError(f"{asked}: no such file or folder; pass {instead} or a checkpoint's path")
+
+
+def locate(cfg: DictConfig, named: str) -> Path:
+    """Where a checkpoint setting points: a plain name is a run's, its home (its newest valid
+    checkpoint), when that run has saved; else, and for any other text, a path: a checkpoint file,
+    a folder of shards, a home, or a home's `latest` or `best`."""
+    if "/" not in named and NAME.fullmatch(named) and homes.has_checkpoints(home := home_of(cfg, named)):
+        return home
+    return Path(named).expanduser().absolute()
+
+
+def found_by_main(world: World, find_it: Callable[[], Checkpoint | None]) -> Checkpoint | None:
+    """The checkpoint `find_it` finds on rank 0 (and checks, with checkpoint.verify), read on the
+    other processes from the same path without checking it again."""
+    found = None
+
+    def locate() -> Path | None:
+        nonlocal found
+        found = find_it()
+        return found and found.path
+
+    path = world.on_main(locate)
+    if path is None or world.is_main:
+        return found
+    return load(path, verify=False)
 
 
 def home_named(path: Path) -> Path:

@@ -1,0 +1,31 @@
+"""`python eval.py name=<run> checkpoint=best|last|<run name or path> [the run's overrides]`: the
+checkpoint's model judged on the validation (and test) split, logged to an MLflow run nested under
+the run that trained it. Give the config the run was trained with: it builds the model."""
+
+import atexit
+import gc
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from {{cookiecutter.package}} import tracking
+from {{cookiecutter.package}}.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.saved_model import take
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: Config):
+    from {{cookiecutter.package}}.evaluating import main as evaluate  # after the sender starts (run.py says why)
+
+    sys.argv[:] = typed  # Hydra has read the rest: a message that repeats the command repeats it whole
+    evaluate(cfg, asked["checkpoint"], Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    typed = list(sys.argv)
+    asked = take(sys.argv, checkpoint="best")
+    tracking.start_sender()
+    atexit.register(gc.freeze)  # as run.py does, and for the same reason
+    main()

@@ -1,0 +1,23 @@
+"""`python export.py name=<run> checkpoint=best|last|<run name or path> out=model.safetensors
+dtype=fp32|bf16|fp16 [the run's overrides]`: the checkpoint's model weights as one safetensors file,
+with a sidecar (model.json) that says how to build the model they fit. Give the config the run was
+trained with: it builds the model."""
+
+import sys
+
+import hydra
+
+from {{cookiecutter.package}}.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.saved_model import take
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: Config):
+    from {{cookiecutter.package}}.exporting import main as export
+
+    export(cfg, asked["checkpoint"], asked["out"], asked["dtype"])
+
+
+if __name__ == "__main__":
+    asked = take(sys.argv, checkpoint="best", out="model.safetensors", dtype="fp32")
+    main()

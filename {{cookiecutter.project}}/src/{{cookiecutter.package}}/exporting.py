@@ -1,0 +1,96 @@
+"""export.py's recipe: a checkpoint's model weights, and nothing else of it, as one safetensors
+file in the dtype asked for, with a sidecar JSON beside it that says how to build the model they
+fit (its `_target_`, its settings and the data's facts it takes) and where they came from. A few
+lines of plain PyTorch load them (README "Exporting"); no pickle is written or read.
+
+A sharded checkpoint is read into one model through the project's own loaders, which refuse a
+crafted `.metadata` (checkpoint/sharded.py); its optimizer state is never read. The files are
+created whole, or not at all, and never over a file that is there.
+"""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import components
+from .checkpoint.files import write_new
+from .checkpoint.initial import lineage, load_weights
+from .config import Config, check_values
+from .data import build_data
+from .distributed import World
+from .errors import RunError, reported
+from .saved_model import check_trained_alike, find
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(cfg: Config, which: str, out: str, dtype: str) -> Path:
+    """The entry point of export.py: a problem the user can fix prints as one line, no traceback."""
+    return reported(lambda: export(cfg, which, Path(out), dtype))
+
+
+def export(cfg: Config, which: str, out: Path, dtype: str) -> Path:
+    """Writes the weights of the model `checkpoint=<which>` holds to `out` (…safetensors), their
+    floating-point tensors in `dtype`, and its sidecar (….json); returns the sidecar's path."""
+    check_values(cfg)
+    out, sidecar = paths(out)
+    if dtype not in DTYPES:
+        raise RunError(
+            f"dtype={dtype}: export.py writes {', '.join(DTYPES)}; pass dtype=fp32 to keep the weights whole"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RunError("export.py reads any checkpoint in one process: run python export.py ..., not under torchrun")
+    # On the CPU, one process: the weights are read and written, never run.
+    saved = find(cfg, World(torch.device("cpu")), which)
+    check_trained_alike(cfg, saved)
+    source = lineage(saved)  # now: retention may prune it once it is read
+    data = build_data(cfg.data)
+    model = components.build("model", cfg.model, **data.facts)
+    load_weights(model, saved, [], shards=False, fine_tuning=False)
+    # Copies: tied weights (one tensor under two names) become two, which safetensors requires.
+    tensors = {
+        key: value.detach().to(DTYPES[dtype] if value.is_floating_point() else value.dtype, copy=True).contiguous()
+        for key, value in model.state_dict().items()
+    }
+    described = {
+        "model": components.described("model", cfg.model, **data.facts),
+        "dtype": dtype,
+        "source": source,
+        "score": saved.state.get("score"),  # optimized_metric at the checkpoint's step, when it was ranked
+    }
+    try:
+        write_new(out, lambda scratch: save_file(tensors, scratch, metadata={"format": "pt"}))
+        try:
+            write_new(sidecar, lambda scratch: scratch.write_text(json.dumps(described, indent=1) + "\n"))
+        except BaseException:
+            out.unlink()  # ours, written a moment ago: no weights without the sidecar that says what they fit
+            raise
+    except FileExistsError:
+        raise RunError(
+            f"{out} or {sidecar} appeared while exporting, and stays as it was; pass out=<new name>.safetensors"
+        ) from None
+    except OSError as error:
+        raise RunError(f"cannot write {out} ({error.strerror}); pass out=<a path in a folder you can write>") from None
+    size = out.stat().st_size / 2**20
+    log.info(f"wrote {out} ({len(tensors)} tensors, {size:.1f} MiB, {dtype}) and {sidecar}: the model of {saved.path}")
+    return sidecar
+
+
+def paths(out: Path) -> tuple[Path, Path]:
+    """The weights' file and its sidecar's, refused where either is taken: nothing is overwritten."""
+    out = out.expanduser().absolute()
+    if out.suffix != ".safetensors":
+        raise RunError(f"out={out}: the weights are written in safetensors; name the file <name>.safetensors")
+    sidecar = out.with_suffix(".json")
+    for path in (out, sidecar):
+        if path.exists() or path.is_symlink():
+            raise RunError(f"{path} is there already; export.py writes over nothing: pass out=<new name>.safetensors")
+    if not out.parent.is_dir():
+        raise RunError(f"out={out}: no folder {out.parent}; make it first, or pass out=<a path in a folder>")
+    return out, sidecar

@@ -1,0 +1,79 @@
+"""A run's checkpoint used after training, by eval.py and export.py: the `checkpoint=` they take
+(best, last, a run's name or a path), found and checked as a resume's is; and the check that the
+config builds the model and the data the checkpoint was trained with.
+
+The run's home is read, never claimed: a run still training there goes on saving, and nothing in
+it is written, moved or set aside. A checkpoint is written whole before any name points at it, so
+what is read is whole; one that retention deletes while it is read fails its checks, in one line.
+"""
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint.home import BEST, has_checkpoints
+from .checkpoint.resume import at, found_by_main, locate
+from .checkpoint.schema import Checkpoint
+from .distributed import World
+from .errors import RunError, listed
+from .provenance import flatten
+
+CHOICES = "checkpoint=best, checkpoint=last"
+
+
+def take(argv: list[str], **defaults: str) -> dict[str, str]:
+    """The `key=value` arguments of `defaults`' keys, taken out of `argv` before Hydra reads it (to
+    Hydra, `checkpoint=best` would choose the option `best` of the config group `checkpoint`);
+    a key not given keeps its default."""
+    taken = dict(defaults)
+    for argument in argv[1:]:
+        key, equals, value = argument.partition("=")
+        if equals and key in defaults:
+            taken[key] = value
+    argv[1:] = [argument for argument in argv[1:] if argument.partition("=")[0] not in defaults]
+    return taken
+
+
+def find(cfg: DictConfig, world: World, which: str) -> Checkpoint:
+    """The checkpoint `checkpoint=<which>` names, found and checked by rank 0 and read by every
+    process: `best` and `last` are the run's (`name=`), anything else a run's name or a path."""
+    home, asked = Path(cfg.checkpoint.dir), f"checkpoint={which}"
+
+    def find_it() -> Checkpoint:
+        if which in ("best", "last") and not has_checkpoints(home):
+            raise RunError(
+                f"{asked}: {home} holds no checkpoint of {cfg.name}; train it first (python run.py name={cfg.name}), "
+                f"or pass checkpoint=<a checkpoint's path>"
+            )
+        if which == "best" and not (home / BEST).is_file():
+            raise RunError(
+                f"{asked}: {home} names no best checkpoint (it was trained with checkpoint.keep_best=false); pass "
+                f"checkpoint=last or a checkpoint's path"
+            )
+        path = {"best": home / BEST, "last": home}.get(which) or locate(cfg, which)
+        return at(path, cfg.checkpoint.verify, asked, CHOICES)
+
+    return found_by_main(world, find_it)
+
+
+# The loader's settings, which change neither the samples nor the model.
+LOADER = ("data.batch_size", "data.num_workers")
+
+
+def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
+    """Refuses a config whose model or data settings differ from those `saved` was trained with:
+    weights of the same shapes load into a model of other settings (more attention heads), and
+    another split of the data would judge samples the model trained on. A setting the checkpoint
+    does not hold (added to the project since) is not compared."""
+    differ = []
+    for group in ("model", "data"):
+        now = flatten(OmegaConf.to_container(cfg[group], resolve=True), f"{group}.")
+        before = flatten(saved.config.get(group) or {}, f"{group}.")
+        for key in sorted(now.keys() & before.keys()):
+            if key not in LOADER and now[key] != before[key]:
+                differ.append(f"{key}={before[key]}")
+    if differ:
+        raise RunError(
+            f"{saved.path} was trained with {listed(differ)}, which this config does not give; add those "
+            f"overrides: the model and the data are built from the config"
+        )

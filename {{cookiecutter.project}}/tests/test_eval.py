@@ -1,0 +1,159 @@
+"""eval.py: a checkpoint's model judged on the validation (and test) split, logged to an MLflow run
+of its own under the run that trained it, which it leaves as it was, on disk and in MLflow."""
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+from conftest import losses, run_cli, start
+from test_distributed import CPU, finished, store, torchrun
+
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.home import BEST, path_of
+from {{cookiecutter.package}}.checkpoint.initial import load_weights
+from {{cookiecutter.package}}.checkpoint.resume import load
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.evaluating import evaluate_checkpoint
+
+# Judged by the highest val/loss, the best checkpoint is an early one that retention of the newest 2
+# alone would delete (test_best.py).
+PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]
+
+
+def val_losses(client, run_id: str, key: str = "val/loss") -> dict[int, float]:
+    return {step: values[-1] for step, values in losses(client, run_id, key).items()}
+
+
+def on_disk(home) -> dict[str, tuple[bytes, int]]:
+    """Every file under `home`, its bytes and its modification time."""
+    return {
+        str(path.relative_to(home)): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in sorted(home.rglob("*"))
+        if path.is_file()
+    }
+
+
+def in_mlflow(client, run_id: str) -> tuple:
+    """All that MLflow holds of a run: its info, params, tags, every metric's history, its files."""
+    run = client.get_run(run_id)
+    histories = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics}
+    files = [entry.path for entry in client.list_artifacts(run_id)]
+    return run.info.status, run.info.end_time, run.data.params, run.data.tags, histories, files
+
+
+def printed(output: str) -> dict[str, float]:
+    """The metrics eval.py prints, a line each: `  val/loss 0.123...`."""
+    return {key: float(value) for key, value in re.findall(r"^  ((?:val|test)/\w+) (\S+)$", output, re.MULTILINE)}
+
+
+def test_the_best_checkpoint_gives_the_val_loss_logged_at_its_step_and_the_training_run_is_left_as_it_was(
+    make_cfg, client, checkpoint_dir, tmp_path
+):
+    trained = recipe.train(make_cfg(*PEAK))
+    logged = val_losses(client, trained["run_id"])
+    best = max(logged, key=logged.get)
+    assert best < 30 and path_of(checkpoint_dir, best).exists()  # kept by retention for being the best
+    files, run = on_disk(checkpoint_dir), in_mlflow(client, trained["run_id"])
+
+    judged = evaluate_checkpoint(make_cfg(*PEAK), "best", tmp_path / "eval")
+
+    assert judged["step"] == best
+    assert judged["val/loss"] == logged[best]  # exactly: the same weights, batches and order
+    assert judged["val/accuracy"] == val_losses(client, trained["run_id"], "val/accuracy")[best]
+    assert not any(key.startswith("test/") for key in judged), "the digits give no test split by default"
+    assert on_disk(checkpoint_dir) == files
+    assert in_mlflow(client, trained["run_id"]) == run
+    evaluation = client.get_run(judged["run_id"])
+    assert evaluation.info.status == "FINISHED"
+    assert evaluation.data.tags["mlflow.parentRunId"] == trained["run_id"]
+    assert evaluation.data.tags["eval.source_step"] == str(best)
+    assert evaluation.data.tags["eval.source_checkpoint"] == str(path_of(checkpoint_dir, best))
+    assert val_losses(client, judged["run_id"]) == {best: logged[best]}
+
+
+def test_a_test_split_is_judged_beside_validation(make_cfg, client, tmp_path):
+    split = "data.test_fraction=0.1"
+    recipe.train(make_cfg(split, "mlflow.enabled=false"))
+    judged = evaluate_checkpoint(make_cfg(split), "last", tmp_path / "eval")
+    assert judged["step"] == 40
+    assert {"test/loss", "test/accuracy", "val/loss", "val/accuracy"} <= judged.keys()
+    assert judged["test/loss"] != judged["val/loss"]
+    assert val_losses(client, judged["run_id"], "test/loss") == {40: judged["test/loss"]}
+
+
+@pytest.mark.parametrize(
+    ("first", "asked", "said"),
+    [
+        (None, "best", r"checkpoint=best: .* holds no checkpoint of demo; train it first \(python run.py name=demo\)"),
+        (["checkpoint.keep_best=false"], "best", r"names no best checkpoint .*; pass checkpoint=last"),
+        ([], "no/such.pt", r"checkpoint=no/such.pt: no such file or folder; pass checkpoint=best, checkpoint=last or"),
+        (["model=cnn"], "last", r"was trained with model._target_=.*CNN, which this config does not give; add those"),
+        (["data.test_fraction=0.1"], "last", r"was trained with data.test_fraction=0.1, which this config does not"),
+    ],
+)
+def test_what_names_no_checkpoint_or_another_model_is_one_line(make_cfg, checkpoint_dir, tmp_path, first, asked, said):
+    if first is not None:
+        recipe.train(make_cfg("mlflow.enabled=false", *first))
+    files = on_disk(checkpoint_dir) if checkpoint_dir.exists() else {}
+    with pytest.raises(RunError, match=said):
+        evaluate_checkpoint(make_cfg("mlflow.enabled=false"), asked, tmp_path / "eval")
+    assert (on_disk(checkpoint_dir) if checkpoint_dir.exists() else {}) == files
+
+
+def test_eval_py_judges_the_best_while_the_run_trains_and_after_a_kill_and_a_resume(project, save_gate):
+    home, settings = project / "checkpoints" / "demo", [*PEAK, *CPU, "trainer.max_steps=40"]
+    settings += ["trainer.val_every_n_steps=20", "checkpoint.every_n_steps=10", "checkpoint.async_save=false"]
+    gate = save_gate(match=path_of(home, 30).name)  # the run holds its home, held at its save of step 30
+    run = start(project, *settings, env=gate.env)
+    pid = gate.wait(run)
+    files = on_disk(home)
+    during = run_cli(project, *settings, "checkpoint=best", script="eval.py")
+    assert during.returncode == 0, during.stderr
+    assert on_disk(home) == files
+    os.kill(pid, signal.SIGKILL)
+    run.communicate()
+    resumed = run_cli(project, *settings, "resume=last")
+    assert resumed.returncode == 0, resumed.stderr
+
+    after = run_cli(project, *settings, "checkpoint=best", script="eval.py")
+    assert after.returncode == 0, after.stderr
+    client = store(project)
+    trained, judged = runs_of(client, "demo")
+    logged = val_losses(client, trained.info.run_id)
+    best = int((home / BEST).read_text().removeprefix("step_").removesuffix(".pt"))
+    assert best < 30, "val/loss falls: its highest is at an early save"
+    assert printed(after.stdout)["val/loss"] == printed(during.stdout)["val/loss"] == logged[best]
+    assert len(judged) == 2 and {run.data.tags["mlflow.parentRunId"] for run in judged} == {trained.info.run_id}
+
+
+def runs_of(client, name: str) -> tuple:
+    """The training run of experiment `name`, and the evaluations nested under it."""
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    (trained,) = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    return trained, [run for run in runs if "mlflow.parentRunId" in run.data.tags]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_two_processes_is_judged_by_one_and_a_one_file_checkpoint_by_two(project):
+    finished(torchrun(project, "name=big", "trainer.max_steps=10", strategy="fsdp"))
+    alone = run_cli(project, *CPU, "name=big", "checkpoint=last", script="eval.py")
+    assert alone.returncode == 0, alone.stderr
+    assert run_cli(project, *CPU, "name=one", "trainer.max_steps=10").returncode == 0
+    pair = finished(torchrun(project, "name=one", "checkpoint=last", script="eval.py"))
+    client = store(project)
+    for name, output in (("big", alone.stdout), ("one", pair)):
+        trained, (judged,) = runs_of(client, name)
+        assert judged.data.tags["mlflow.parentRunId"] == trained.info.run_id
+        logged = val_losses(client, trained.info.run_id)[10]
+        # Another number of processes adds the shares in another order: equal to rounding.
+        assert printed(output)["val/loss"] == pytest.approx(logged, rel=1e-5)
+        assert judged.data.metrics["val/loss"] == printed(output)["val/loss"]
+
+
+def test_weights_of_other_shapes_are_refused_naming_the_models_setting(make_cfg, checkpoint_dir):
+    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10"))
+    other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    with pytest.raises(RunError, match=r"give the overrides it was trained with \(its model: .*models.MLP\)"):
+        load_weights(other, load(path_of(checkpoint_dir, 10)), [], shards=False, fine_tuning=False)

@@ -1,0 +1,122 @@
+"""export.py: a checkpoint's model weights as safetensors with a sidecar, loaded back by the plain
+PyTorch lines of the README, from a one-file checkpoint and from shards, never over another file."""
+
+import json
+import pickle
+import re
+
+import pytest
+import torch
+from conftest import PROJECT, losses, run_cli
+from safetensors.torch import load_file
+from test_distributed import CPU
+from test_finetune import whole
+from test_sharded import ALONE, Payload, reseal
+
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint import sharded
+from {{cookiecutter.package}}.checkpoint.home import BEST, path_of
+from {{cookiecutter.package}}.checkpoint.resume import load
+from {{cookiecutter.package}}.datasets import digits
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.exporting import export
+
+
+def readme_lines() -> str:
+    """The README's plain PyTorch lines that load an export (section "Exporting")."""
+    readme = (PROJECT / "README.md").read_text()
+    (block,) = [
+        block
+        for block in re.findall(r"^```python\n(.*?)^```", readme, re.DOTALL | re.MULTILINE)
+        if "load_file" in block
+    ]
+    return block
+
+
+def val_loss(model: torch.nn.Module) -> float:
+    """The demo's val/loss (mean cross-entropy over the validation samples), computed by hand by a
+    model in eval mode."""
+    inputs, targets = digits(val_fraction=0.2).val.tensors
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(inputs).float(), targets).item()
+
+
+def test_the_readme_lines_rebuild_the_best_model_which_gives_the_val_loss_logged_at_its_step(
+    make_cfg, client, checkpoint_dir, tmp_path, monkeypatch
+):
+    trained = recipe.train(make_cfg())
+    logged = {step: values[-1] for step, values in losses(client, trained["run_id"], "val/loss").items()}
+    best = min(logged, key=logged.get)
+    assert (checkpoint_dir / BEST).read_text() == path_of(checkpoint_dir, best).name
+    export(make_cfg(), "best", tmp_path / "model.safetensors", "fp32")
+
+    monkeypatch.chdir(tmp_path)
+    lines = {}
+    exec(readme_lines(), lines)
+    assert val_loss(lines["model"]) == pytest.approx(logged[best], rel=1e-6)
+    described = json.loads((tmp_path / "model.json").read_text())
+    assert described["source"]["step"] == best and described["source"]["run_id"] == trained["run_id"]
+    assert described["score"] == {"metric": "val/loss", "mode": "min", "value": logged[best]}
+    weights, saved = load_file(tmp_path / "model.safetensors"), load(path_of(checkpoint_dir, best)).weights()
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[key], saved[key]) for key in saved)
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_a_half_dtype_halves_the_file_and_keeps_the_model(make_cfg, tmp_path, dtype, kind):
+    recipe.train(make_cfg("mlflow.enabled=false"))
+    for each in ("fp32", dtype):
+        export(make_cfg(), "last", tmp_path / f"{each}.safetensors", each)
+    full, half = load_file(tmp_path / "fp32.safetensors"), load_file(tmp_path / f"{dtype}.safetensors")
+    assert {tensor.dtype for tensor in half.values()} == {kind}
+    assert (tmp_path / f"{dtype}.safetensors").stat().st_size < 0.6 * (tmp_path / "fp32.safetensors").stat().st_size
+    for key, tensor in full.items():
+        assert torch.equal(half[key], tensor.to(kind))
+    assert json.loads((tmp_path / f"{dtype}.json").read_text())["dtype"] == dtype
+
+
+@pytest.mark.parametrize(
+    ("out", "dtype", "said"),
+    [
+        ("taken.safetensors", "fp32", r"taken.safetensors is there already; export.py writes over nothing"),
+        ("sidecar.safetensors", "fp32", r"sidecar.json is there already; export.py writes over nothing"),
+        ("taken.json", "fp32", r"the weights are written in safetensors; name the file <name>.safetensors"),
+        ("new.safetensors", "fp64", r"dtype=fp64: export.py writes fp32, bf16, fp16"),
+        ("missing/new.safetensors", "fp32", r"no folder .*missing; make it first"),
+    ],
+)
+def test_a_taken_name_or_an_unknown_dtype_is_one_line_and_nothing_is_written(make_cfg, tmp_path, out, dtype, said):
+    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10"))
+    for taken in ("taken.safetensors", "taken.json", "sidecar.json"):
+        (tmp_path / taken).write_text("a file of the user's")
+    before = sorted(path.name for path in tmp_path.iterdir())
+    with pytest.raises(RunError, match=said):
+        export(make_cfg(), "last", tmp_path / out, dtype)
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+    assert (tmp_path / "taken.safetensors").read_text() == "a file of the user's"
+
+
+@pytest.mark.slow
+def test_shards_export_as_the_whole_model_and_a_crafted_metadata_is_refused(project, tmp_path):
+    trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
+    assert trained.returncode == 0, trained.stderr
+    home = project / "checkpoints" / "demo"
+    exported = run_cli(project, *CPU, "checkpoint=last", f"out={tmp_path / 'model.safetensors'}", script="export.py")
+    assert exported.returncode == 0, exported.stderr
+    weights = load_file(tmp_path / "model.safetensors")
+    expected = whole(home / "step_00000010", tmp_path)["model"]
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[key], expected[key]) for key in expected)
+
+    marker = tmp_path / "payload-ran"
+    newest = home / "step_00000010"
+    (newest / sharded.METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    reseal(newest, sharded.METADATA)
+    refused = run_cli(
+        project, *CPU, f"checkpoint={newest}", f"out={tmp_path / 'crafted.safetensors'}", script="export.py"
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip() == (
+        f"error: {newest} was refused: its .metadata asks for pathlib.Path.touch, which is not DCP metadata and "
+        f"could run code; load only checkpoints this project wrote"
+    )
+    assert not marker.exists() and not (tmp_path / "crafted.safetensors").exists()

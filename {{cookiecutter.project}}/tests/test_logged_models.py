@@ -1,0 +1,82 @@
+"""mlflow.log_models: the best (and the final) checkpoint's model as an MLflow LoggedModel of the
+run, logged by the sender process as the run finishes, with the metrics of its step, loadable by
+`models:/<id>`; none from a run that stopped to come back."""
+
+import mlflow
+import pytest
+import torch
+from conftest import losses, run_cli
+from test_distributed import store
+from test_export import val_loss
+from test_sharded import ALONE
+
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint.home import path_of
+from {{cookiecutter.package}}.preemption import Stopped
+
+PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint is an early one (test_best.py)
+
+
+def models_of(client, run_id: str) -> dict[str, mlflow.entities.LoggedModel]:
+    """The run's logged models, by name."""
+    experiment = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
+    return {model.name: model for model in found}
+
+
+def loaded(tracking_uri: str, model_id: str) -> torch.nn.Module:
+    mlflow.set_tracking_uri(tracking_uri)
+    return mlflow.pytorch.load_model(f"models:/{model_id}")
+
+
+def test_the_best_model_is_logged_at_its_step_with_its_metrics_and_loads_to_its_val_loss(
+    make_cfg, client, tracking_uri, checkpoint_dir
+):
+    trained = recipe.train(make_cfg(*PEAK, "mlflow.log_models=best"))
+    logged = {step: values[-1] for step, values in losses(client, trained["run_id"], "val/loss").items()}
+    best = max(logged, key=logged.get)
+    (model,) = models_of(client, trained["run_id"]).values()
+    assert model.name == "best" and model.tags["checkpoint"] == str(path_of(checkpoint_dir, best))
+    linked = {metric.key: metric for metric in model.metrics}
+    assert linked["val/loss"].value == logged[best] and linked["val/loss"].step == best
+    assert linked["val/loss"].model_id == model.model_id
+    assert val_loss(loaded(tracking_uri, model.model_id)) == pytest.approx(logged[best], rel=1e-5)
+
+
+@pytest.mark.parametrize(("which", "names"), [("both", {"best", "final"}), ("final", {"final"})])
+def test_both_log_the_final_model_beside_the_best(make_cfg, client, checkpoint_dir, which, names):
+    trained = recipe.train(make_cfg(*PEAK, f"mlflow.log_models={which}"))
+    logged = {step: values[-1] for step, values in losses(client, trained["run_id"], "val/loss").items()}
+    steps = {"best": max(logged, key=logged.get), "final": 40}
+    assert steps["best"] != steps["final"]
+    models = models_of(client, trained["run_id"])
+    assert {name: model.tags["checkpoint"] for name, model in models.items()} == {
+        name: str(path_of(checkpoint_dir, steps[name])) for name in names
+    }
+
+
+def test_a_run_stopped_to_come_back_logs_its_models_when_it_ends(make_cfg, client, sigterm_at, monkeypatch):
+    sigterm_at(25)
+    settings = ["name=come-back", "mlflow.log_models=best"]
+    with pytest.raises(Stopped):
+        recipe.train(make_cfg(*settings))
+    (run,) = client.search_runs([client.get_experiment_by_name("come-back").experiment_id])
+    assert models_of(client, run.info.run_id) == {}
+    monkeypatch.undo()
+    resumed = recipe.train(make_cfg(*settings, "resume=last"))
+    assert resumed["run_id"] == run.info.run_id
+    assert set(models_of(client, run.info.run_id)) == {"best"}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_is_logged_as_one_model(project):
+    trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5", "mlflow.log_models=best")
+    assert trained.returncode == 0, trained.stderr
+    client = store(project)
+    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (model,) = models_of(client, run.info.run_id).values()
+    logged = {step: values[-1] for step, values in losses(client, run.info.run_id, "val/loss").items()}
+    step = next(metric.step for metric in model.metrics if metric.key == "val/loss")
+    assert val_loss(loaded(f"sqlite:///{project / 'mlflow.db'}", model.model_id)) == pytest.approx(
+        logged[step], rel=1e-5
+    )
