@@ -1,10 +1,16 @@
-"""Photograph the MLflow UI of the run `make demo` trained and resumed, for the README.
+"""Photograph the MLflow UI of what `make demo` logged, for the README.
 
-Serves demo/my-trainer's MLflow store, opens the run's metric charts (train/loss through the
-resume, checkpoint/loss at each save, resume/loss at the resume) in headless Chromium (Debian's
-`chromium` package) and writes docs/mlflow-resumed-run.png. Run by `make screenshot`.
+Serves demo/my-trainer's MLflow store and opens, in headless Chromium (Debian's `chromium`):
+- the demo run's metric charts (train/loss through the resume, checkpoint/loss at each save,
+  resume/loss at the resume): docs/mlflow-resumed-run.png;
+- the demo's runs list, whose Dataset and Models columns show the data each run read and the
+  model it logged, the evaluation nested under its run: docs/mlflow-runs.png;
+- the demo run's best model, with the metrics of its step: docs/mlflow-best-model.png;
+- the compare view of the optimizer sweep's two jobs: docs/mlflow-sweep-compare.png.
+Run by `make screenshot`.
 """
 
+import json
 import shutil
 import socket
 import subprocess
@@ -14,11 +20,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ROOT / "demo" / "my-trainer"
-PICTURE = ROOT / "docs" / "mlflow-resumed-run.png"
+DOCS = ROOT / "docs"
 # Chromium renders a single-page app only once its scripts have run: this much virtual time.
 RENDER_BUDGET_MS = 120_000
+TRAINING = "workflowType=machine_learning"  # MLflow 3 opens in its GenAI view otherwise
 
 
 def free_port() -> int:
@@ -27,18 +36,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def resumed_run(store: str) -> tuple[str, str]:
-    """The demo experiment's id and its run that holds a resume/loss."""
-    from mlflow.tracking import MlflowClient
-
+def pages(store: str, base: str) -> dict[str, str]:
+    """Each picture's name and the address of what it shows, from what `make demo` logged."""
     client = MlflowClient(tracking_uri=store)
-    experiment = client.get_experiment_by_name("demo")
-    if experiment is None:
-        sys.exit(f"error: no experiment 'demo' in {store}; run `make demo` first")
-    runs = client.search_runs([experiment.experiment_id], "metrics.`resume/loss` > 0")
-    if not runs:
-        sys.exit(f"error: no resumed run in {store}; run `make demo` first")
-    return experiment.experiment_id, runs[0].info.run_id
+    demo, sweep = (client.get_experiment_by_name(name) for name in ("demo", "compare-optimizers"))
+    if demo is None or sweep is None:
+        sys.exit(f"error: no demo or compare-optimizers experiment in {store}; run `make demo`")
+    resumed = client.search_runs([demo.experiment_id], "metrics.`resume/loss` > 0")
+    runs = client.search_runs([sweep.experiment_id])
+    jobs = [run.info.run_id for run in runs if "mlflow.parentRunId" in run.data.tags]
+    if not resumed or len(jobs) != 2:
+        sys.exit(f"error: no resumed run or no two sweep jobs in {store}; run `make demo` first")
+    run = resumed[0].info.run_id
+    newest = [{"field_name": "creation_timestamp", "ascending": False}]
+    models = client.search_logged_models(
+        experiment_ids=[demo.experiment_id],
+        filter_string=f"source_run_id = '{run}'",
+        order_by=newest,
+    )
+    if not models:
+        sys.exit(f"error: the demo run logged no model to {store}; run `make demo` first")
+    experiment = f"{base}/#/experiments/{demo.experiment_id}"
+    return {
+        "mlflow-resumed-run.png": f"{experiment}/runs/{run}/model-metrics?{TRAINING}",
+        "mlflow-runs.png": f"{experiment}/runs?{TRAINING}",
+        "mlflow-best-model.png": f"{experiment}/models/{models[0].model_id}?{TRAINING}",
+        "mlflow-sweep-compare.png": (
+            f"{base}/#/compare-runs?runs={json.dumps(jobs)}&experiments={json.dumps([sweep.experiment_id])}"
+        ),
+    }
 
 
 def wait_until_serving(url: str, server: subprocess.Popen) -> None:
@@ -54,14 +80,34 @@ def wait_until_serving(url: str, server: subprocess.Popen) -> None:
     sys.exit(f"error: mlflow ui did not answer at {url} within 60 s")
 
 
+def photograph(chromium: str, url: str, picture: Path) -> None:
+    with tempfile.TemporaryDirectory() as profile:  # chromium's, away from the home folder
+        subprocess.run(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",  # root in a container has no user namespace for the sandbox
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--window-size=1800,1300",
+                f"--virtual-time-budget={RENDER_BUDGET_MS}",
+                f"--user-data-dir={profile}",
+                f"--screenshot={picture}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+        )
+
+
 def main() -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         sys.exit("error: no chromium on PATH; install it (Debian: apt-get install chromium)")
     store = f"sqlite:///{PROJECT / 'mlflow.db'}"
-    experiment, run = resumed_run(store)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    shown = pages(store, base)
     mlflow = Path(sys.executable).with_name("mlflow")
     server = subprocess.Popen(
         [str(mlflow), "ui", "--backend-store-uri", store, "--port", str(port)],
@@ -70,28 +116,13 @@ def main() -> None:
     )
     try:
         wait_until_serving(base, server)
-        PICTURE.parent.mkdir(exist_ok=True)
-        with tempfile.TemporaryDirectory() as profile:  # chromium's, away from the home folder
-            subprocess.run(
-                [
-                    chromium,
-                    "--headless",
-                    "--no-sandbox",  # root in a container has no user namespace for the sandbox
-                    "--disable-gpu",
-                    "--hide-scrollbars",
-                    "--window-size=1600,1500",
-                    f"--virtual-time-budget={RENDER_BUDGET_MS}",
-                    f"--user-data-dir={profile}",
-                    f"--screenshot={PICTURE}",
-                    f"{base}/#/experiments/{experiment}/runs/{run}/model-metrics?workflowType=machine_learning",
-                ],
-                check=True,
-                capture_output=True,
-            )
+        DOCS.mkdir(exist_ok=True)
+        for name, url in shown.items():
+            photograph(chromium, url, DOCS / name)
+            print(f"wrote {(DOCS / name).relative_to(ROOT)}")
     finally:
         server.terminate()
         server.wait()
-    print(f"wrote {PICTURE.relative_to(ROOT)} (run {run})")
 
 
 if __name__ == "__main__":

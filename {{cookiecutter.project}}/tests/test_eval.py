@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import losses, run_cli, start
 from test_distributed import CPU, finished, store, torchrun
+from test_tracking import inputs_of
 
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.checkpoint.home import BEST, path_of
@@ -71,6 +72,7 @@ def test_the_best_checkpoint_gives_the_val_loss_logged_at_its_step_and_the_train
     assert evaluation.data.tags["eval.source_step"] == str(best)
     assert evaluation.data.tags["eval.source_checkpoint"] == str(path_of(checkpoint_dir, best))
     assert val_losses(client, judged["run_id"]) == {best: logged[best]}
+    assert inputs_of(client, judged["run_id"]).keys() == {"validation"}
 
 
 def test_a_test_split_is_judged_beside_validation(make_cfg, client, tmp_path):
@@ -81,6 +83,7 @@ def test_a_test_split_is_judged_beside_validation(make_cfg, client, tmp_path):
     assert {"test/loss", "test/accuracy", "val/loss", "val/accuracy"} <= judged.keys()
     assert judged["test/loss"] != judged["val/loss"]
     assert val_losses(client, judged["run_id"], "test/loss") == {40: judged["test/loss"]}
+    assert inputs_of(client, judged["run_id"]).keys() == {"validation", "test"}
 
 
 @pytest.mark.parametrize(

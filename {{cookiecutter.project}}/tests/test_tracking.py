@@ -77,6 +77,16 @@ def test_a_run_records_only_the_settings_of_the_components_it_chose(make_cfg, cl
     }
 
 
+def test_a_null_setting_is_no_param_and_a_setting_made_null_on_resume_is_tagged(make_cfg, client):
+    first = client.get_run(recipe.train(make_cfg("trainer.max_steps=10", "trainer.grad_clip=1.0"))["run_id"])
+    assert first.data.params["trainer.grad_clip"] == "1.0"
+    assert "None" not in first.data.params.values() and "init.checkpoint" not in first.data.params
+    recipe.train(make_cfg("trainer.max_steps=20", "trainer.grad_clip=null", "resume=last"))
+    run = client.get_run(first.info.run_id)
+    assert run.data.tags["resume.1.trainer.grad_clip"] == "None"
+    assert run.data.params["trainer.grad_clip"] == "1.0", "a param keeps its first value"
+
+
 def test_a_resume_continues_the_run_and_logs_the_loss_at_save_beside_the_loss_now(make_cfg, client, caplog):
     first = recipe.train(make_cfg("trainer.max_steps=20"))
     with caplog.at_level(logging.INFO):
@@ -470,7 +480,7 @@ def test_a_sender_killed_mid_run_loses_no_metric_and_the_run_still_ends_as_it_di
 
 def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down(make_cfg, client, tmp_path, caplog):
     tracker = Tracker(make_cfg().mlflow, tmp_path)
-    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None, datasets=[])
     run_id = tracker.run_id  # waits for the sender to open the run
     tracker.log_metrics({"train/loss": 0.5}, 1)
     tracker.flush()
@@ -503,6 +513,7 @@ def test_a_sender_whose_trainer_is_gone_still_delivers_everything_and_ends_the_r
     asked = {
         "mlflow": OmegaConf.to_container(make_cfg().mlflow, resolve=True),
         "spill_dir": str(tmp_path), "params": {}, "tags": {}, "config_yaml": "", "checkpoint": None, "run_id": None,
+        "datasets": [],
     }  # fmt: skip
     sender.stdin.write(json.dumps({"open": asked}) + "\n")
     sender.stdin.flush()
@@ -521,7 +532,7 @@ def test_an_untracked_run_keeps_no_metric_waiting_for_a_confirmation(make_cfg, t
     (tmp_path / "mlruns").write_text("")  # a file where the artifacts' folder goes: the run cannot open
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = Tracker(make_cfg(f"mlflow.tracking_uri={store}").mlflow, tmp_path)
-    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None, datasets=[])
     for step in range(1, 301):
         tracker.log_metrics({"train/loss": 1.0}, step)
     tracker.flush()
@@ -574,7 +585,7 @@ def test_the_sender_confirms_each_metric_once_delivered_or_spilled(tmp_path):
 
 def test_a_sender_that_died_leaves_the_end_of_the_run_to_the_trainer(make_cfg, client, tmp_path):
     tracker = Tracker(make_cfg().mlflow, tmp_path)
-    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None, datasets=[])
     run_id = tracker.run_id  # waits for the sender to open the run
     tracker._sender._child.kill()
     tracker._sender._child.wait()
@@ -761,3 +772,40 @@ def test_a_run_is_named_after_its_experiment_and_its_overrides_and_keeps_the_nam
     assert run.info.run_name == "demo optimizer=sgd,trainer.max_steps=10"  # device is left out: it moves
     assert run.data.tags["resumes"] == "1" and "mlflow.run_name" not in run.data.params
     assert "changed settings: trainer.max_steps 10 -> 20, scheduler.total_steps 10 -> 20" in again.stdout + again.stderr
+
+
+def inputs_of(client: MlflowClient, run_id: str) -> dict[str, tuple[str, str, int]]:
+    """The run's dataset inputs by context: name, digest and number of samples."""
+    found = {}
+    for entry in client.get_run(run_id).inputs.dataset_inputs:
+        context = {tag.key: tag.value for tag in entry.tags}["mlflow.data.context"]
+        assert context not in found, f"{context} logged twice"
+        found[context] = (entry.dataset.name, entry.dataset.digest, json.loads(entry.dataset.profile)["num_samples"])
+    return found
+
+
+def test_the_data_is_logged_as_dataset_inputs_by_split_and_another_split_has_another_digest(
+    make_cfg, client, checkpoint_dir
+):
+    first = recipe.train(make_cfg("trainer.max_steps=20"))
+    logged = inputs_of(client, first["run_id"])
+    assert logged.keys() == {"training", "validation"}
+    assert {name for name, _, _ in logged.values()} == {"digits"}
+    assert logged["training"][2] + logged["validation"][2] == 1797 and logged["validation"][2] == 359
+    resumed = recipe.train(make_cfg("trainer.max_steps=40", "resume=last", "data.batch_size=32"))
+    assert resumed["run_id"] == first["run_id"]
+    assert inputs_of(client, first["run_id"]) == logged, (
+        "a resume logs them again, once, and the loader's settings change no digest"
+    )
+    other = recipe.train(
+        make_cfg(
+            "name=other",
+            f"checkpoint.dir={checkpoint_dir / 'other'}",
+            "data.val_fraction=0.1",
+            "data.test_fraction=0.1",
+            "trainer.max_steps=10",
+        )
+    )
+    split = inputs_of(client, other["run_id"])
+    assert split.keys() == {"training", "validation"}, "the test split is eval.py's alone"
+    assert split["validation"][1] != logged["validation"][1]

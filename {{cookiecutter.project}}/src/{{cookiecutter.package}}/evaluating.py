@@ -15,12 +15,12 @@ from .checkpoint.initial import lineage, load_weights
 from .checkpoint.initial import tags as lineage_tags
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values
-from .data import evaluation_loader
+from .data import Data, evaluation_loader
 from .devices import audit_placement, set_cpu_threads
 from .distributed import World
 from .errors import reported
 from .evaluation import check_wiring, evaluate
-from .provenance import record
+from .provenance import datasets, record
 from .saved_model import check_trained_alike, find
 from .tracking import Tracker, check_tracking_uri
 from .train import build
@@ -55,7 +55,7 @@ def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path) -> dict:
             workers = cfg.data.get("num_workers", 0)
             test = evaluation_loader(built.data.test, cfg.data.batch_size, workers, cfg.device, world)
             results.update(evaluate(built, test, split="test"))
-        run_id = world.on_main(lambda: track(cfg, saved, source, results, spill_dir, world))
+        run_id = world.on_main(lambda: track(cfg, saved, source, built.data, results, spill_dir, world))
     if world.is_main:
         scores = "\n".join(f"  {key} {value!r}" for key, value in results.items())
         log.info(f"{saved.path}, step {saved.step} of {saved.run_name}; MLflow run {run_id or 'off'}:\n{scores}")
@@ -63,7 +63,7 @@ def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path) -> dict:
 
 
 def track(
-    cfg: Config, saved: Checkpoint, source: dict, results: dict[str, float], spill_dir: Path, world: World
+    cfg: Config, saved: Checkpoint, source: dict, data: Data, results: dict[str, float], spill_dir: Path, world: World
 ) -> str | None:
     """The evaluation as an MLflow run of its own, nested under the run that trained the model (in
     that run's experiment, whatever this config's `name=`), its metrics at the checkpoint's step;
@@ -72,7 +72,8 @@ def track(
     cfg.mlflow.experiment_name = saved.setting("mlflow", "experiment_name") or cfg.mlflow.experiment_name
     cfg.mlflow.run_name = cfg.mlflow.run_name or f"eval {saved.run_name} step {saved.step}"
     tracker = Tracker(cfg.mlflow, spill_dir)
-    tracker.open(*record(cfg, world, lineage_tags(source, prefix="eval")), checkpoint=None)
+    inputs = datasets(cfg.data, data, splits=("val", "test"))
+    tracker.open(*record(cfg, world, lineage_tags(source, prefix="eval")), checkpoint=None, datasets=inputs)
     status = "FAILED"
     try:
         tracker.log_metrics(results, saved.step)

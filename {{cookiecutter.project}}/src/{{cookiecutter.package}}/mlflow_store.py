@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
@@ -140,6 +140,7 @@ class RunOpener:
         self.resumes = int(run.data.tags.get("resumes", "0")) + 1
         resumes, old = self.resumes, run.data.params
         changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
+        changed.update({f"resume.{resumes}.{key}": "None" for key in old.keys() - params.keys()})  # now null
         self._log_params({key: value for key, value in params.items() if key not in old})
         resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
         set_tags(self.client, run_id, {**tags, **self.parent_tags, **changed, **resume_tags})
@@ -161,6 +162,7 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
             opener.create(asked["params"], asked["tags"], asked["config_yaml"])
         else:
             opener.continue_(asked["run_id"], asked["params"], asked["tags"], asked["config_yaml"], asked["checkpoint"])
+        log_datasets(opener.client, opener.run_id, asked["datasets"])
         return opener
     except Exception as error:
         log.warning(f"MLflow at {cfg.tracking_uri} failed ({first_line(error)}); training goes on without tracking")
@@ -168,6 +170,26 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
             with contextlib.suppress(Exception):  # the store is failing already; said above
                 opener.client.set_terminated(opener.run_id, status="FAILED")
         return None
+
+
+def log_datasets(client: MlflowClient, run_id: str, datasets: list[dict]) -> None:
+    """The data the run reads (provenance.datasets) as its dataset inputs, each split under its
+    context; MLflow keeps one input per dataset and context, so a resume logs them again harmlessly."""
+    inputs = [
+        DatasetInput(
+            Dataset(
+                name=dataset["name"],
+                digest=dataset["digest"],
+                source_type="code",
+                source=json.dumps({"tags": {"_target_": dataset["source"]}}),
+                profile=json.dumps({"num_samples": dataset["samples"]}),
+            ),
+            tags=[InputTag("mlflow.data.context", dataset["context"])],
+        )
+        for dataset in datasets
+    ]
+    if inputs:
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:

@@ -1,6 +1,8 @@
 """What a run records about itself: every setting, where and how it really ran, what code ran.
 MLflow shows it (params, tags, the config artifact); a checkpoint keeps the config and versions."""
 
+import hashlib
+import json
 import platform
 import re
 import subprocess
@@ -10,7 +12,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .data import global_batch
+from .components import RESERVED
+from .data import Data, global_batch
 from .devices import describe
 from .distributed import World
 
@@ -52,6 +55,9 @@ def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict
     del params["mlflow.run_name"]  # the run's own name, and it may differ on resume
     if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
         del params["amp.dtype"]
+    # A setting left null (off, or the library's default) is absent rather than "None": the compare
+    # views then show only what some run sets (and, for a run without it, MLflow's "unknown").
+    params = {key: value for key, value in params.items() if value != "None"}
     tags.update({key: params.pop(key) for key in WHERE})
     for key in [key for key in params if key.endswith("._target_")]:
         component = key.removesuffix("._target_")
@@ -70,6 +76,33 @@ def run_name(cfg: DictConfig) -> str:
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:
     return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
+# The splits by MLflow's dataset context tag (`mlflow.data.context`), as its runs list shows them.
+CONTEXTS = {"train": "training", "val": "validation", "test": "test"}
+
+
+def datasets(cfg: DictConfig, data: Data, splits: tuple[str, ...]) -> list[dict]:
+    """The data a run reads, the `splits` of it, as MLflow dataset inputs (its runs list's Dataset
+    column): the data component's name, a digest of its settings and the split (MLflow keeps one
+    input per digest), its `_target_` as source, the split and its size. Two runs on other data,
+    or another split of it, differ at a glance. The loader's settings (batch size, workers) change
+    no sample and are left out."""
+    settings = {
+        key: value for key, value in OmegaConf.to_container(cfg, resolve=True).items() if key not in RESERVED["data"]
+    }
+    found = {"train": data.train, "val": data.val, "test": data.test}
+    return [
+        {
+            "name": settings["_target_"].rsplit(".", 1)[-1],
+            "digest": hashlib.sha256(json.dumps([settings, split], sort_keys=True).encode()).hexdigest()[:8],
+            "source": settings["_target_"],
+            "context": CONTEXTS[split],
+            "samples": len(found[split]),
+        }
+        for split in splits
+        if found[split] is not None
+    ]
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:

@@ -62,9 +62,9 @@ class Job:
         and returns the job's `optimized_metric`: the value a search sweeper minimizes or maximizes
         (`optimized_mode`). An error is recorded, not raised, so the other jobs still run."""
         if cfg.init.checkpoint is not None:  # a run's name: its home, not one under this job's
-            from .checkpoint.initial import locate  # torch: not in the launching process
+            from .checkpoint.resume import locate  # torch: not in the launching process
 
-            cfg.init.checkpoint = str(locate(cfg))
+            cfg.init.checkpoint = str(locate(cfg, cfg.init.checkpoint))
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / self.key)
         cfg.mlflow.run_name = cfg.mlflow.run_name or self.key
         cfg.mlflow.parent_run_id = self.parent_run_id

@@ -106,9 +106,12 @@ class Tracker:
             raise ValueError(f"an MLflow run id is a string; found {state.get('run_id')!r}")
         self._resumed_run_id = state["run_id"]
 
-    def open(self, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: Path | None) -> None:
+    def open(
+        self, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: Path | None, datasets: list
+    ) -> None:
         """Asks the sender process (started now, unless run.py did) for a run, with the flattened
-        config as params and the resolved config as an artifact; or, resuming from `checkpoint`,
+        config as params, the resolved config as an artifact and the `datasets` it reads as inputs
+        (provenance.datasets); or, resuming from `checkpoint`,
         for the run that wrote it (mlflow_store.RunOpener). Returns at once: the sender opens the
         run while training starts, and the store is opened only then, so a run that fails its
         preflight leaves no trace."""
@@ -122,6 +125,7 @@ class Tracker:
             "params": params,
             "tags": tags,
             "config_yaml": config_yaml,
+            "datasets": datasets,
             "checkpoint": checkpoint and str(checkpoint),
             "run_id": self._resumed_run_id,  # the run to continue, if the store has it
         }

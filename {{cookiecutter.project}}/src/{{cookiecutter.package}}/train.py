@@ -33,7 +33,7 @@ from .precision import describe as describe_amp
 from .preemption import Preemption, Stopped
 from .probe import Probe
 from .progress import Progress, Throughput
-from .provenance import record, run_name
+from .provenance import datasets, record, run_name
 from .seeding import RandomState, seed_everything
 from .sweeps import current_job
 from .tracking import Tracker, check_tracking_uri
@@ -81,7 +81,8 @@ def train_in(cfg: Config, world: World) -> dict:
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status = "FAILED"
         with Preemption() as preemption:
-            run.tracker.open(*record(cfg, world, initial.tags(checkpoints.source)), checkpoint=found and found.path)
+            lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))
+            run.tracker.open(*record(cfg, world, lineage), checkpoint=found and found.path, datasets=inputs)
             try:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
