@@ -113,16 +113,20 @@ def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[i
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """run.py, eval.py, export.py and configs/ copied to a temporary folder: `python run.py` there
-    keeps its default paths (mlflow.db, checkpoints/) out of the real project. As in BASE, no model
-    is logged to MLflow unless a test asks for it (mlflow.log_models=best)."""
+    return copy_project(tmp_path)
+
+
+def copy_project(folder: Path) -> Path:
+    """run.py, eval.py, export.py and configs/ copied to `folder`: `python run.py` there keeps its
+    default paths (mlflow.db, checkpoints/) out of the real project. As in BASE, no model is logged
+    to MLflow unless a test asks for it (mlflow.log_models=best)."""
     for script in ("run.py", "eval.py", "export.py"):
-        shutil.copy(PROJECT / script, tmp_path / script)
-    shutil.copytree(PROJECT / "configs", tmp_path / "configs")
-    settings = tmp_path / "configs" / "mlflow" / "default.yaml"
+        shutil.copy(PROJECT / script, folder / script)
+    shutil.copytree(PROJECT / "configs", folder / "configs")
+    settings = folder / "configs" / "mlflow" / "default.yaml"
     settings.write_text(settings.read_text().replace("\nlog_models: best\n", "\nlog_models: none\n"))
     assert "log_models: none" in settings.read_text()
-    return tmp_path
+    return folder
 
 
 def start(

@@ -18,10 +18,12 @@ PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint i
 
 
 def models_of(client, run_id: str) -> dict[str, mlflow.entities.LoggedModel]:
-    """The run's logged models, by name."""
+    """The run's logged models, by name; a name logged twice fails."""
     experiment = client.get_run(run_id).info.experiment_id
     found = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
-    return {model.name: model for model in found}
+    by_name = {model.name: model for model in found}
+    assert len(by_name) == len(found), [model.name for model in found]
+    return by_name
 
 
 def loaded(tracking_uri: str, model_id: str) -> torch.nn.Module:
@@ -66,6 +68,9 @@ def test_a_run_stopped_to_come_back_logs_its_models_when_it_ends(make_cfg, clien
     resumed = recipe.train(make_cfg(*settings, "resume=last"))
     assert resumed["run_id"] == run.info.run_id
     assert set(models_of(client, run.info.run_id)) == {"best"}
+    again = recipe.train(make_cfg(*settings, "resume=last"))  # at max_steps: trains nothing, the same best
+    assert again["run_id"] == run.info.run_id
+    assert set(models_of(client, run.info.run_id)) == {"best"}, "no second copy of the same checkpoint"
 
 
 @pytest.mark.slow

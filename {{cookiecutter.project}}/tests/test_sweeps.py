@@ -1,14 +1,13 @@
 """Multirun sweeps: a parent MLflow run with a child per job, a summary, jobs that fail alone,
 and sweeps that resume job by job."""
 
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROJECT, run_cli, start
+from conftest import copy_project, run_cli, start
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job, summary_table
@@ -76,9 +75,7 @@ def swept(tmp_path_factory):
     """The 2x2 sweep in one process, run once for this module: checked by the test below, and the
     reference that an interrupted sweep must reproduce. Its project folder is its own (as the
     `project` fixture's), so no other test's runs mix with it."""
-    project = tmp_path_factory.mktemp("swept")
-    shutil.copy(PROJECT / "run.py", project / "run.py")
-    shutil.copytree(PROJECT / "configs", project / "configs")
+    project = copy_project(tmp_path_factory.mktemp("swept"))
     return project, run_cli(project, *SWEEP, timeout=600)
 
 

@@ -77,14 +77,17 @@ def test_a_run_records_only_the_settings_of_the_components_it_chose(make_cfg, cl
     }
 
 
-def test_a_null_setting_is_no_param_and_a_setting_made_null_on_resume_is_tagged(make_cfg, client):
+def test_a_null_setting_is_no_param_and_a_resume_that_nulls_or_sets_one_is_tagged(make_cfg, client):
     first = client.get_run(recipe.train(make_cfg("trainer.max_steps=10", "trainer.grad_clip=1.0"))["run_id"])
     assert first.data.params["trainer.grad_clip"] == "1.0"
     assert "None" not in first.data.params.values() and "init.checkpoint" not in first.data.params
     recipe.train(make_cfg("trainer.max_steps=20", "trainer.grad_clip=null", "resume=last"))
+    recipe.train(make_cfg("trainer.max_steps=30", "trainer.grad_clip=2.0", "resume=last"))
     run = client.get_run(first.info.run_id)
     assert run.data.tags["resume.1.trainer.grad_clip"] == "None"
+    assert run.data.tags["resume.2.trainer.grad_clip"] == "2.0"
     assert run.data.params["trainer.grad_clip"] == "1.0", "a param keeps its first value"
+    assert not any(key.startswith("resume.2.") and value == "None" for key, value in run.data.tags.items())
 
 
 def test_a_resume_continues_the_run_and_logs_the_loss_at_save_beside_the_loss_now(make_cfg, client, caplog):

@@ -139,8 +139,9 @@ class RunOpener:
         self.client.update_run(run_id, status="RUNNING")
         self.resumes = int(run.data.tags.get("resumes", "0")) + 1
         resumes, old = self.resumes, run.data.params
-        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key, value) != value}
-        changed.update({f"resume.{resumes}.{key}": "None" for key in old.keys() - params.keys()})  # now null
+        # Params keep their first values; what a resume changed, set or made null is tagged.
+        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key) != value}
+        changed.update({f"resume.{resumes}.{key}": "None" for key in old.keys() - params.keys() if old[key] != "None"})
         self._log_params({key: value for key, value in params.items() if key not in old})
         resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
         set_tags(self.client, run_id, {**tags, **self.parent_tags, **changed, **resume_tags})
@@ -162,7 +163,10 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
             opener.create(asked["params"], asked["tags"], asked["config_yaml"])
         else:
             opener.continue_(asked["run_id"], asked["params"], asked["tags"], asked["config_yaml"], asked["checkpoint"])
-        log_datasets(opener.client, opener.run_id, asked["datasets"])
+        try:
+            log_datasets(opener.client, opener.run_id, asked["datasets"])
+        except Exception as error:  # the run is open: it goes on, without its Dataset column
+            log.warning(f"MLflow did not take the run's datasets ({first_line(error)})")
         return opener
     except Exception as error:
         log.warning(f"MLflow at {cfg.tracking_uri} failed ({first_line(error)}); training goes on without tracking")
@@ -321,7 +325,7 @@ class _Sender:
         self._retry_at: float | None = None  # set while the store is failing
 
     def run(self) -> None:
-        end = None
+        end, models = None, None
         while True:
             try:
                 item = self._incoming.get(timeout=self._until_due())
@@ -335,6 +339,8 @@ class _Sender:
                 self._spill_pending()
                 if end is not None:  # a trainer that died said nothing: the run is left as it is
                     end_run(self._client, self._run_id, end, self._spill_file)
+                if models is not None:  # last: a sender killed while it copies weights loses no metric, nor the end
+                    log_models(self._client, self._run_id, models)
                 return
             if isinstance(item, list):
                 if not self._pending:
@@ -346,8 +352,7 @@ class _Sender:
             elif "tags" in item:
                 set_tags(self._client, self._run_id, item["tags"])
             elif "models" in item:
-                self._send(force=True)  # the metrics of their steps first: MLflow links those to each model
-                log_models(self._client, self._run_id, item["models"])
+                models = item["models"]
             else:
                 end = item["end"]
 
@@ -399,26 +404,36 @@ class _Sender:
 
 def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
     """Each checkpoint `asked` names as an MLflow model of the run (a LoggedModel: the Models tab,
-    `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step. The
-    model is built from its description, given the checkpoint's weights through the project's own
-    loaders, on the CPU, and saved as a traced graph (`torch.export`, "pt2": loading it runs no
-    pickle), its batch size left free by an example of two samples. A model that cannot be logged
-    warns: the checkpoint stays, and the run's metrics and end are delivered all the same."""
-    import mlflow.pytorch  # torch and its flavor (3 s) only in a sender that logs a model
-    import torch
-    from hydra.utils import instantiate
+    `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step,
+    unless the run has a model of that checkpoint already (a resume that did not change the best).
+    The model is built from its description, given the checkpoint's weights through the project's
+    own loaders, on the CPU, and saved as a graph traced by `torch.export` ("pt2"), which loads
+    without this project's code; an example of two samples leaves its batch size free. Whatever
+    fails warns: the checkpoints stay, and the run's metrics and end are delivered already."""
+    try:
+        import mlflow.pytorch  # torch and its flavor (3 s) only in a sender that logs a model
+        import torch
+        from hydra.utils import instantiate
 
-    from .checkpoint.initial import load_weights
-    from .checkpoint.resume import load
+        from .checkpoint.initial import load_weights
+        from .checkpoint.resume import load
 
-    # The run's experiment: MLflow files a model under the active one, not its run's.
-    mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
-    example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
-    requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
+        experiment = client.get_run(run_id).info.experiment_id
+        mlflow.set_experiment(experiment_id=experiment)  # MLflow files a model under the active one
+        logged = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
+        had = {model.tags.get("checkpoint") for model in logged}
+        example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
+        requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
+    except Exception as error:
+        log.warning(f"no model was logged to MLflow ({first_line(error)}); the checkpoints stay: export.py writes one")
+        return
     for checkpoint in asked["checkpoints"]:
+        if checkpoint["path"] in had:
+            continue
         try:
             model = instantiate(asked["model"])
-            load_weights(model, load(Path(checkpoint["path"])), [], shards=False, fine_tuning=False)
+            # Written and sealed by this run moments ago: read without checking every byte again.
+            load_weights(model, load(Path(checkpoint["path"]), verify=False), [], shards=False, fine_tuning=False)
             mlflow.pytorch.log_model(
                 model.eval(),
                 name=checkpoint["name"],

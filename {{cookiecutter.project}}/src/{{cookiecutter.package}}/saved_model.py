@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checkpoint.home import BEST, has_checkpoints
 from .checkpoint.resume import at, found_by_main, locate
 from .checkpoint.schema import Checkpoint
+from .components import RESERVED
 from .distributed import World
 from .errors import RunError, listed
 from .provenance import flatten
@@ -56,10 +57,6 @@ def find(cfg: DictConfig, world: World, which: str) -> Checkpoint:
     return found_by_main(world, find_it)
 
 
-# The loader's settings, which change neither the samples nor the model.
-LOADER = ("data.batch_size", "data.num_workers")
-
-
 def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
     """Refuses a config whose model or data settings differ from those `saved` was trained with:
     weights of the same shapes load into a model of other settings (more attention heads), and
@@ -70,7 +67,8 @@ def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
         now = flatten(OmegaConf.to_container(cfg[group], resolve=True), f"{group}.")
         before = flatten(saved.config.get(group) or {}, f"{group}.")
         for key in sorted(now.keys() & before.keys()):
-            if key not in LOADER and now[key] != before[key]:
+            loader = group == "data" and key.removeprefix("data.") in RESERVED["data"]  # changes no sample
+            if not loader and now[key] != before[key]:
                 differ.append(f"{key}={before[key]}")
     if differ:
         raise RunError(

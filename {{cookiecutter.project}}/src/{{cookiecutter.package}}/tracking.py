@@ -269,7 +269,8 @@ class _Handover:
             returncode = self._child.wait(timeout=CLOSE_SECONDS)
         except subprocess.TimeoutExpired:
             log.warning(
-                f"MLflow is slow: process {self._child.pid} goes on delivering the last metrics, then ends the run"
+                f"MLflow is slow: process {self._child.pid} goes on delivering the last metrics, the end of the run "
+                f"and its models"
             )
             return None
         if returncode != 0:

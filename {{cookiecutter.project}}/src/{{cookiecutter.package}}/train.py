@@ -89,7 +89,9 @@ def train_in(cfg: Config, world: World) -> dict:
                     result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
                 # Short of max_steps: stopped by a signal, unless early stopping ended it.
                 status = "FINISHED" if run.step >= cfg.trainer.max_steps or run.monitor.stopped else "KILLED"
-                if status == "FINISHED":  # one stopped to come back logs its models when it ends
+                # One stopped to come back logs its models when it ends; one that a signal reached at
+                # its end is about to be killed.
+                if status == "FINISHED" and not preemption.received:
                     log_models(run, checkpoints)
             finally:
                 run.tracker.finish(status)
@@ -286,7 +288,7 @@ def log_models(run: Run, checkpoints: Checkpointer) -> None:
     """12. The models out: the checkpoints `mlflow.log_models` names, as MLflow models of the run,
     which the sender process builds from the model's description, the checkpoint's weights and an
     input of two validation samples (rank 0's: the one that tracks)."""
-    if not run.world.is_main or run.cfg.mlflow.log_models == "none":
+    if run.cfg.mlflow.log_models == "none" or run.tracker.run_id is None:  # untracked, or not rank 0
         return
     inputs, _ = run.task.split(next(iter(run.val_loader)))
     try:
