@@ -5,8 +5,9 @@ run, logged by the sender process as the run finishes, with the metrics of its s
 import mlflow
 import pytest
 import torch
-from conftest import losses, run_cli
-from test_distributed import store
+from conftest import losses, run_cli, start
+from mlflow.entities import LoggedModelStatus
+from test_distributed import CPU, store
 from test_export import val_loss
 from test_sharded import ALONE
 
@@ -85,3 +86,34 @@ def test_a_sharded_checkpoint_is_logged_as_one_model(project):
     assert val_loss(loaded(f"sqlite:///{project / 'mlflow.db'}", model.model_id)) == pytest.approx(
         logged[step], rel=1e-5
     )
+
+
+# A model torch.export cannot trace: which branch it takes depends on the data.
+BRANCHY = """
+import math
+from torch import nn
+
+class Branchy(nn.Module):
+    def __init__(self, input_shape: list[int], num_classes: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, inputs):
+        flat = inputs.flatten(1)
+        return self.layer(flat) if flat.sum() > 0 else self.layer(-flat)
+"""
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_metrics(project):
+    (project / "branchy.py").write_text(BRANCHY)  # importable from the project folder, the sender's too
+    (project / "configs" / "model" / "branchy.yaml").write_text("_target_: branchy.Branchy\n")
+    run = start(project, *CPU, "model=branchy", "trainer.max_steps=10", "mlflow.log_models=best")
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr
+    assert "the best model was not logged to MLflow" in stdout + stderr
+    client = store(project)
+    (logged,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert logged.info.status == "FINISHED" and "val/loss" in logged.data.metrics
+    (failed,) = models_of(client, logged.info.run_id).values()  # MLflow lists the attempt as failed
+    assert failed.status == LoggedModelStatus.FAILED

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelStatus, Metric, Param
 from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
@@ -405,7 +405,8 @@ class _Sender:
 def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
     """Each checkpoint `asked` names as an MLflow model of the run (a LoggedModel: the Models tab,
     `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step,
-    unless the run has a model of that checkpoint already (a resume that did not change the best).
+    unless the run has a model of that checkpoint already (a resume that did not change the best;
+    one whose logging failed, which MLflow lists as FAILED, is tried again).
     The model is built from its description, given the checkpoint's weights through the project's
     own loaders, on the CPU, and saved as a graph traced by `torch.export` ("pt2"), which loads
     without this project's code; an example of two samples leaves its batch size free. Whatever
@@ -421,7 +422,7 @@ def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
         experiment = client.get_run(run_id).info.experiment_id
         mlflow.set_experiment(experiment_id=experiment)  # MLflow files a model under the active one
         logged = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
-        had = {model.tags.get("checkpoint") for model in logged}
+        had = {model.tags.get("checkpoint") for model in logged if model.status == LoggedModelStatus.READY}
         example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
         requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
     except Exception as error:
