@@ -1,5 +1,6 @@
 """The training recipe, top to bottom: join the other processes (if any), claim the checkpoint
-home, `setup` (build, place, wrap, restore, audit), check continuity, `fit`, `finish`.
+home, `setup` (build, place, wrap, restore, audit), check continuity, `fit`, `finish`, and
+`log_models` once the run has finished for good.
 
 The order is the point of this file. Each numbered step says why it stands where it does; moving
 one is how the failures this project exists to prevent come back.
