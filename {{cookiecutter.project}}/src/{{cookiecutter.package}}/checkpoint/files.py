@@ -120,6 +120,45 @@ def open_plain(path: Path, flags: int) -> int:
     raise NotPlain(path, "a hard link" if stat.S_ISREG(found.st_mode) else "not a plain file")
 
 
+class NotRegular(OSError):
+    """Something other than a regular file stands where a file is about to be read."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(errno.EINVAL, f"{path} is {what}, not a regular file")
+        self.what = what
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, unless it is not a regular file: reading a FIFO waits for a writer
+    that may never come, and a device (`/dev/zero`) never ends. Opened without blocking, so a FIFO
+    is seen for what it is before anything waits on it. A link is followed to what it names."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegular(path, _kind(mode))
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def read_regular(path: Path) -> bytes:
+    with open_regular(path) as file:
+        return file.read()
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+
+
 class Checksummed:
     """A file being written front to back, passing on what `write` gets while keeping its size,
     its CRC-32C, its last `tail_size` bytes and the error of a write that failed (torch.save
@@ -152,7 +191,7 @@ class Checksummed:
 @contextlib.contextmanager
 def mapped(path: Path) -> Iterator[memoryview]:
     """The bytes of `path` without a copy: what torch.load reads meanwhile comes from the same pages."""
-    with open(path, "rb") as file:
+    with open_regular(path) as file:
         if os.fstat(file.fileno()).st_size == 0:  # what mmap cannot map
             yield memoryview(b"")
             return
@@ -178,7 +217,12 @@ def load_restricted(source: Path | BinaryIO, name: object) -> object:
     import torch  # not at import: the MLflow sender uses open_plain and never reads a checkpoint
 
     try:
+        if isinstance(source, Path):
+            with open_regular(source) as file:
+                return torch.load(file, map_location="cpu", weights_only=True)
         return torch.load(source, map_location="cpu", weights_only=True)
+    except NotRegular as refused:
+        raise CheckpointError(f"{name} is {refused.what}, not a checkpoint file: name a checkpoint file or folder") from None
     except pickle.UnpicklingError as error:
         # Only the name of what was refused: torch's own text goes on to suggest weights_only=False.
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))

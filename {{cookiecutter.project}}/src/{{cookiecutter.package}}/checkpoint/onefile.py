@@ -19,7 +19,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CheckpointError, SaveError
-from .files import Checksummed, checksum, first_failing, load_restricted, mapped, write_atomically
+from .files import Checksummed, checksum, first_failing, load_restricted, mapped, open_regular, write_atomically
 from .home import completed, path_of
 
 # The end of a zip archive: 22 bytes, the last two the length of the archive's comment.
@@ -81,7 +81,7 @@ def read(path: Path, verify: bool) -> object:
 def seal(path: Path) -> str:
     """The file's identity, `crc32c:<hex>`: its seal (no byte read but the archive's end), or, for
     a file that ends otherwise, the CRC-32C of all its bytes."""
-    with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
+    with open_regular(path) as file, zipfile.ZipFile(file) as archive:
         if found := SEAL.fullmatch(archive.comment):
             return f"crc32c:{found[1].decode()}"
     with mapped(path) as view:
@@ -92,7 +92,7 @@ def _check(path: Path) -> None:
     """The file against the checksums written at save: the seal over all its bytes, or, in a file
     that ends otherwise, each record's CRC-32 that torch.save stores (uncompressed zip records)."""
     try:
-        with open(path, "rb") as file, zipfile.ZipFile(file) as archive, mapped(path) as view:
+        with open_regular(path) as file, zipfile.ZipFile(file) as archive, mapped(path) as view:
             seal = SEAL.fullmatch(archive.comment)
             if seal:
                 checks = {"its content": lambda: _sealed(view) == int(seal[1], 16)}
