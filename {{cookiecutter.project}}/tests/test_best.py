@@ -14,7 +14,7 @@ from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.checkpoint import home, onefile
 from {{cookiecutter.package}}.checkpoint.home import BEST, SCORES, path_of, steps
 from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.errors import CheckpointError, RunError
 
 QUIET = "mlflow.enabled=false"
 
@@ -22,6 +22,18 @@ QUIET = "mlflow.enabled=false"
 # their checkpoint. Judged by the highest val/loss, the best is an early checkpoint, one that
 # retention of the newest 2 would delete.
 WORST_IS_BEST = ["optimized_mode=max", "checkpoint.keep_last=2"]
+# Saves and validations at 10, 20, 30 and 40, and the newest checkpoint kept besides the best: the
+# best (highest val/loss) is step 10, which only a ranking keeps.
+ONLY_THE_RANKING_KEEPS = ["optimized_mode=max", "checkpoint.keep_last=1", "trainer.val_every_n_steps=10"]
+HUGE = 10**400  # an integer past a float's range: OverflowError where it meets one
+
+UNTRUSTED = {
+    "is damaged": lambda ledger: ledger.write_text("{"),
+    "is missing": lambda ledger: ledger.unlink(),
+    "holds a score that is no metric's value": lambda ledger: ledger.write_text(
+        json.dumps({"metric": "val/loss", "mode": "max", "scores": {"step_00000010.pt": HUGE}})
+    ),
+}
 
 
 def val_losses(client, run_id: str) -> dict[int, float]:
@@ -127,3 +139,91 @@ def test_best_naming_a_checkpoint_that_is_gone_is_one_line(make_cfg, checkpoint_
     path_of(checkpoint_dir, int((checkpoint_dir / BEST).read_text()[5:13])).unlink()
     with pytest.raises(RunError, match=r"best names no checkpoint that is still there; pass another checkpoint$"):
         recipe.train(make_cfg(QUIET, f"resume={checkpoint_dir / BEST}"))
+
+
+def ranked_best(home) -> tuple[str, bytes]:
+    """The checkpoint `best` names, and its bytes."""
+    name = (home / BEST).read_text()
+    return name, (home / name).read_bytes()
+
+
+@pytest.mark.parametrize("problem", UNTRUSTED)
+def test_a_ranking_that_cannot_be_read_is_rebuilt_from_the_checkpoints_and_the_best_stays(
+    make_cfg, checkpoint_dir, caplog, problem
+):
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS))
+    best = ranked_best(checkpoint_dir)
+    assert best[0] == path_of(checkpoint_dir, 10).name
+    UNTRUSTED[problem](checkpoint_dir / SCORES)
+    with caplog.at_level(logging.WARNING):
+        recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=60", "resume=last"))
+    assert ranked_best(checkpoint_dir) == best, "byte for byte"
+    assert saved_steps(checkpoint_dir) == [10, 60]
+    assert (
+        f"{checkpoint_dir / SCORES} {problem}: the checkpoints are ranked again by the scores they hold" in caplog.text
+    )
+
+
+def test_a_resume_that_changes_optimized_metric_keeps_the_best_of_the_ranking_before(make_cfg, checkpoint_dir, caplog):
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS))
+    best = ranked_best(checkpoint_dir)
+    with caplog.at_level(logging.WARNING):
+        recipe.train(
+            make_cfg(
+                QUIET, *ONLY_THE_RANKING_KEEPS, "optimized_metric=val/accuracy", "trainer.max_steps=60", "resume=last"
+            )
+        )
+    assert (
+        f"{best[0]}, the best by val/loss (max), is kept apart from this run's ranking by val/accuracy (max): delete it "
+        f"yourself once done with it, or resume with optimized_metric=val/loss optimized_mode=max to rank by it again"
+    ) in caplog.text
+    assert (checkpoint_dir / best[0]).read_bytes() == best[1]
+    assert best[0] in json.loads((checkpoint_dir / SCORES).read_text())["held"]
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=70", "resume=last"))
+    assert ranked_best(checkpoint_dir) == best  # ranked by val/loss again, and still its best
+
+
+def test_a_fifo_as_the_ranking_is_refused_in_one_line_and_replaced(make_cfg, project):
+    home = project / "checkpoints" / "demo"
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, f"checkpoint.dir={home}"))
+    best = ranked_best(home)
+    (home / SCORES).unlink()
+    os.mkfifo(home / SCORES)
+    resumed = start(project, *ONLY_THE_RANKING_KEEPS, "device=cpu", "trainer.max_steps=50", "resume=last")
+    output = "".join(resumed.communicate(timeout=120))  # a read of the FIFO would wait here, holding the lock
+    assert resumed.returncode == 0, output
+    assert f"{home / SCORES} is a FIFO: the checkpoints are ranked again by the scores they hold" in output
+    assert "Traceback" not in output
+    assert ranked_best(home) == best and json.loads((home / SCORES).read_text())["scores"][best[0]]
+
+
+def test_a_huge_integer_where_a_checkpoint_holds_a_score_is_refused_in_one_line(make_cfg, checkpoint_dir, caplog):
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=10"))
+    state = load(path_of(checkpoint_dir, 10)).state
+    state["score"]["value"] = HUGE
+    onefile.write(state, path_of(checkpoint_dir, 10))
+    with caplog.at_level(logging.WARNING):
+        recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=20", "resume=last"))
+    assert "step_00000010.pt holds a score that is no metric's value; it is not ranked" in caplog.text
+    state = load(path_of(checkpoint_dir, 20)).state
+    state["monitor"]["best"] = HUGE
+    onefile.write(state, path_of(checkpoint_dir, 20))
+    with pytest.raises(CheckpointError) as error:
+        recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=30", "resume=last"))
+    assert str(error.value) == (
+        "the checkpoint's monitor does not load (its best value is not a finite number a float can hold); "
+        "resume from another checkpoint, or start a new run with name=<new name>"
+    )
+
+
+def test_best_linked_to_a_binary_file_names_no_checkpoint_in_one_line(make_cfg, tmp_path):
+    binary = tmp_path / "program"
+    binary.write_bytes(bytes(range(256)) * 16)  # no UTF-8 text
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / BEST).symlink_to(binary)
+    with pytest.raises(RunError) as error:
+        recipe.train(make_cfg(QUIET, f"init.checkpoint={tmp_path / 'other' / BEST}"))
+    assert (
+        str(error.value)
+        == f"{tmp_path / 'other' / BEST} names no checkpoint that is still there; pass another checkpoint"
+    )

@@ -5,10 +5,12 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from {{cookiecutter.package}} import components
+from {{cookiecutter.package}} import components, strategies
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.config import check_values
+from {{cookiecutter.package}}.distributed import World
 from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.evaluation import check_wiring
 
 PACKAGE = "{{cookiecutter.package}}"
 # Components a user might write, in a module of their own.
@@ -213,6 +215,29 @@ def test_a_part_that_does_not_fit_the_others_stops_the_run_before_its_first_step
     shapes = r"the model's outputs \(\d+, 10\) float32 and the data's targets \(\d+,\) int64: \S"
     with pytest.raises(RunError, match=f"^{part} {shapes}"):
         recipe.train(cfg)
-    assert not [path for path in checkpoint_dir.iterdir() if path.name.startswith("step_")]
+    assert not list(checkpoint_dir.glob("step_*"))
     experiment = client.get_experiment_by_name(cfg.mlflow.experiment_name)  # the store is the session's
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+
+
+def test_a_metric_that_is_not_one_number_stops_the_run_before_its_first_step(make_cfg, checkpoint_dir, monkeypatch):
+    """A confusion matrix would train, then fail at the first validation's `.item()`."""
+    steps = []
+    monkeypatch.setattr(recipe, "train_step", lambda *args: steps.append(args))
+    target = "torchmetrics.classification.MulticlassConfusionMatrix"
+    cfg = make_cfg("mlflow.enabled=false", f"+metrics.confmat._target_={target}")
+    with pytest.raises(RunError) as raised:
+        recipe.train(cfg)
+    assert str(raised.value) == (
+        f"metrics.confmat ({target}) computes (10, 10) int64, not the one number val/confmat must be; use a metric "
+        f"that gives one (per-class scores: average=macro), or drop it: ~metrics.confmat"
+    )
+    assert steps == [] and not list(checkpoint_dir.glob("step_*"))
+
+
+def test_the_wiring_check_leaves_the_metrics_as_built(make_cfg):
+    """The check's batch is not counted in the first validation."""
+    cfg, world = make_cfg(), World(torch.device("cpu"))
+    built = recipe.build(cfg, world, strategies.choose(cfg, world))
+    check_wiring(built)
+    assert [metric.update_count for metric in built.metrics.values()] == [0]

@@ -6,15 +6,33 @@ about; so these tests run the real restore code against a stand-in accelerator o
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch import nn
 
 from {{cookiecutter.package}}.config import DeviceConfig
 from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, describe, resolve_device, set_cpu_threads
 from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.train import train
+from {{cookiecutter.package}}.train import train, train_step
 
 META = torch.device("meta")
+# A model that makes its head on first use, on the inputs' device: the placement audit passes it.
+LAZY = """
+import math
+
+from torch import nn
+
+
+class LazyHead(nn.Module):
+    def __init__(self, input_shape: list[int], num_classes: int):
+        super().__init__()
+        self.stem, self.body = nn.Linear(math.prod(input_shape), 16), nn.Linear(16, 16)
+        self.num_classes, self.head = num_classes, None
+
+    def forward(self, inputs):
+        if self.head is None:
+            self.head = nn.Linear(16, self.num_classes).to(inputs.device)
+        return self.head(self.body(self.stem(inputs.flatten(1))))
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +205,27 @@ def test_a_scaler_for_another_device_type_is_caught():
     scaler = torch.amp.GradScaler("xpu")  # unlike cuda's, it stays enabled without the device
     with pytest.raises(RunError, match="GradScaler is for xpu"):
         audit_placement(torch.device("cpu"), model, torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+
+
+def test_a_layer_built_in_forward_stops_the_run_after_the_first_step_naming_it(
+    make_cfg, checkpoint_dir, tmp_path, monkeypatch
+):
+    """It would get gradients at every step and never change; a frozen layer is not named."""
+    (tmp_path / "lazy_head.py").write_text(LAZY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    steps = []
+    monkeypatch.setattr("{{cookiecutter.package}}.train.train_step", lambda *args: steps.append(1) or train_step(*args))
+    cfg = make_cfg("mlflow.enabled=false", "init.freeze=[stem.*]")
+    with open_dict(cfg):
+        cfg.model = {"_target_": "lazy_head.LazyHead"}
+    with pytest.raises(RunError) as raised:
+        train(cfg)
+    assert str(raised.value) == (
+        "2 parameter(s) of the model train but are not in the optimizer, and would never change: model.head.weight, "
+        "model.head.bias; they were built after it, e.g. in the model's forward: build every layer in the model's "
+        "__init__"
+    )
+    assert len(steps) == 1 and not list(checkpoint_dir.glob("step_*"))
 
 
 @pytest.mark.parametrize("asked, expected", [(0, max(1, DEFAULT_THREADS - 1)), (3, 3)])

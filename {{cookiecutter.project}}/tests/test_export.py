@@ -2,13 +2,16 @@
 PyTorch lines of the README, from a one-file checkpoint and from shards, never over another file."""
 
 import json
+import os
 import pickle
 import re
+import stat
 
 import pytest
 import torch
 from conftest import PROJECT, losses, run_cli
 from safetensors.torch import load_file
+from test_cli import on_a_small_disk, small_disk
 from test_distributed import CPU
 from test_finetune import whole
 from test_sharded import ALONE, Payload, reseal
@@ -82,6 +85,7 @@ def test_a_half_dtype_halves_the_file_and_keeps_the_model(make_cfg, tmp_path, dt
         ("taken.json", "fp32", r"the weights are written in safetensors; name the file <name>.safetensors"),
         ("new.safetensors", "fp64", r"dtype=fp64: export.py writes fp32, bf16, fp16"),
         ("missing/new.safetensors", "fp32", r"no folder .*missing; make it first"),
+        ("/proc/new.safetensors", "fp32", r"cannot write /proc/new.safetensors \(.+\); pass out=<a path in a folder"),
     ],
 )
 def test_a_taken_name_or_an_unknown_dtype_is_one_line_and_nothing_is_written(make_cfg, tmp_path, out, dtype, said):
@@ -93,6 +97,48 @@ def test_a_taken_name_or_an_unknown_dtype_is_one_line_and_nothing_is_written(mak
         export(make_cfg(), "last", tmp_path / out, dtype)
     assert sorted(path.name for path in tmp_path.iterdir()) == before
     assert (tmp_path / "taken.safetensors").read_text() == "a file of the user's"
+
+
+def test_both_files_get_the_mode_of_any_file_created_there_by_the_umask(make_cfg, tmp_path):
+    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10"))
+    out = tmp_path / "out"
+    out.mkdir()
+    before = os.umask(0o027)  # not the usual 022: the mode is the umask's, not a fixed 0644
+    try:
+        export(make_cfg(), "last", out / "model.safetensors", "fp32")
+        (out / "any").touch()
+    finally:
+        os.umask(before)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert modes == {"model.safetensors": 0o640, "model.json": 0o640, "any": 0o640}
+
+
+ONTO_A_FULL_THEN_A_READ_ONLY_DISK = """
+mount -t tmpfs -o size=1m tmpfs "$DISK"
+dd if=/dev/zero of="$DISK/filler" bs=64k 2>/dev/null
+"$PYTHON" export.py checkpoint=last out="$DISK/model.safetensors" >/dev/null
+echo "exit $?"
+rm "$DISK/filler"
+mount -o remount,ro "$DISK"
+"$PYTHON" export.py checkpoint=last out="$DISK/model.safetensors" >/dev/null
+echo "exit $?"
+ls -A "$DISK"
+"""
+
+
+@small_disk
+def test_an_export_onto_a_full_or_a_read_only_disk_is_one_line_and_leaves_nothing(make_cfg, project, tmp_path):
+    """safetensors writes in Rust, and says a failed write in a SafetensorError, not an OSError."""
+    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.dir={project}/checkpoints/demo"))
+    disk = tmp_path / "disk"
+    result = on_a_small_disk(project, disk, ONTO_A_FULL_THEN_A_READ_ONLY_DISK)
+    assert result.stdout.split() == ["exit", "2", "exit", "2"], "nothing left behind, not even a scratch file"
+    out = disk / "model.safetensors"
+    assert result.stderr.strip().splitlines() == [
+        f"error: cannot write {out} (No space left on device); free space there, or pass out=<a path in a folder "
+        f"you can write>",
+        f"error: cannot write {out} (Read-only file system); pass out=<a path in a folder you can write>",
+    ]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,9 @@ from conftest import hold, losses, signal_pending, wait_for_exit
 
 from {{cookiecutter.package}} import components
 from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint import home as homes
 from {{cookiecutter.package}}.checkpoint.files import Checksummed
-from {{cookiecutter.package}}.checkpoint.home import NAME
+from {{cookiecutter.package}}.checkpoint.home import NAME, claim
 from {{cookiecutter.package}}.checkpoint.onefile import save
 from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
 from {{cookiecutter.package}}.errors import RunError
@@ -59,7 +61,10 @@ def test_a_diverging_run_stops_before_saving_and_keeps_every_good_checkpoint(mak
         recipe.train(make_cfg(*EVERY_5, "trainer.max_steps=40", "optimizer.lr=1e6", "resume=last"))
     message = str(raised.value)
     assert message.startswith("the loss is nan at step 1") and "\n" not in message
-    assert f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000015.pt'}" in message
+    assert (
+        f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000015.pt'}; continue from it with "
+        "resume=last and a lower optimizer.lr" in message
+    )
     assert saved_files(checkpoint_dir) == good, "no NaN checkpoint written, none of the good ones pruned"
     assert client.get_run(first["run_id"]).info.status == "FAILED"
 
@@ -122,6 +127,18 @@ def test_without_a_scaler_the_default_policy_stops_at_the_first_non_finite_loss(
     with pytest.raises(RunError, match="^the loss is nan at step 7: the run stops unsaved"):
         recipe.train(make_cfg(QUIET, *EVERY_5))
     assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
+
+
+def test_a_run_that_diverges_before_its_first_save_names_no_resume(make_cfg, checkpoint_dir, poison):
+    """With nothing on disk, resume=last cannot work: the message says to start again."""
+    poison(3)
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, *EVERY_5))
+    assert str(raised.value) == (
+        "the loss is nan at step 3: the run stops unsaved; no checkpoint is on disk; run it again with a lower "
+        "optimizer.lr, or choose trainer.on_nonfinite=skip_step"
+    )
+    assert not checkpoint_dir.exists(), "a run that saved nothing leaves no folder"
 
 
 def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg, checkpoint_dir, poison, caplog):
@@ -197,6 +214,80 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
     )
     run_id = newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_a_final_save_that_fails_with_nothing_on_disk_names_no_resume(make_cfg, checkpoint_dir, monkeypatch):
+    """With no checkpoint saved, resume=last could not work: the run is to be run again, and its
+    folder, left as it was found, does not refuse it as one that holds checkpoints."""
+    onto_a_full_disk(monkeypatch, {5, 10, 15})
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, *EVERY_5))
+    assert str(raised.value) == (
+        f"could not write {checkpoint_dir / 'step_00000015.pt'} (No space left on device), so step 15 is not "
+        f"saved; no checkpoint is on disk; free space or fix the folder, then run it again"
+    )
+    assert not checkpoint_dir.exists()
+
+
+def test_a_disk_with_less_room_than_one_checkpoint_stops_the_run_before_its_first_step(
+    make_cfg, checkpoint_dir, monkeypatch
+):
+    """AdamW's two moments do not exist before the first step: they are counted from the
+    parameters, each the size of its parameter."""
+    cfg = make_cfg(QUIET)
+    model = components.build("model", cfg.model, input_shape=(1, 8, 8), num_classes=10)
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    moments = 2 * sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    free = weights + moments - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - free, free))
+    monkeypatch.setattr(recipe, "train_step", lambda *args: pytest.fail("a step was trained"))
+    with pytest.raises(RunError) as raised:
+        recipe.train(cfg)
+    kib = [f"{size / 1024:.4g} KiB" for size in (free, weights + moments, weights, moments)]
+    assert str(raised.value) == (
+        f"{checkpoint_dir} has {kib[0]} free, less than one checkpoint of this run takes (about {kib[1]}: {kib[2]} "
+        f"of model, {kib[3]} of optimizer state); free space there, or choose a folder with room with "
+        f"checkpoint.dir=<path>"
+    )
+    assert not checkpoint_dir.exists()
+
+
+def test_a_run_refused_at_start_leaves_the_folders_as_it_found_them(make_cfg, tmp_path):
+    new, mine = tmp_path / "runs" / "demo", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for home in (new, mine):
+        with pytest.raises(RunError, match="^model.num_classes is given by the data"):
+            recipe.train(make_cfg(QUIET, "+model.num_classes=3", f"checkpoint.dir={home}"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine"], "runs/ and runs/demo/ are gone"
+    assert [path.name for path in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_lock_file_removed_by_a_run_refused_at_start_is_not_taken_for_the_homes(tmp_path, monkeypatch):
+    """A run that opened the lock file just before its maker, refused, removed it, locks a file
+    no other run can find: it opens the home's anew."""
+    (tmp_path / "run.lock").touch()
+    with open(tmp_path / "run.lock", "r+b") as removed:
+        (tmp_path / "run.lock").unlink()
+        opened, real = iter([removed]), homes._open_lock
+        monkeypatch.setattr(homes, "_open_lock", lambda folder: next(opened, None) or real(folder))
+        with claim(tmp_path):
+            assert (tmp_path / "run.lock").read_text().startswith(f"PID {os.getpid()} on ")
+
+
+def test_a_fresh_run_over_another_runs_checkpoints_names_that_run_and_leaves_its_lock_as_it_was(
+    make_cfg, checkpoint_dir
+):
+    recipe.train(make_cfg(QUIET, "name=other", "trainer.max_steps=5", "checkpoint.every_n_steps=5"))
+    (checkpoint_dir / "run.lock").write_text("PID 4242 on elsewhere, started 2026-01-01 00:00:00\n")
+    found = {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()}
+    with pytest.raises(RunError) as raised:
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=5"))
+    assert str(raised.value) == (
+        f"{checkpoint_dir} holds the checkpoints of another run, 'other'; continue that run with name=other "
+        f"checkpoint.dir={checkpoint_dir} resume=last, or give 'demo' a folder of its own with checkpoint.dir=<path>"
+    )
+    assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir()} == found
 
 
 def test_a_run_on_a_home_that_another_run_holds_stops_before_building_anything(make_cfg, checkpoint_dir, monkeypatch):

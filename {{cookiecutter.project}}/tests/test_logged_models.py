@@ -2,6 +2,9 @@
 run, logged by the sender process as the run finishes, with the metrics of its step, loadable by
 `models:/<id>`; none from a run that stopped to come back."""
 
+import logging
+import os
+
 import mlflow
 import pytest
 import torch
@@ -11,8 +14,10 @@ from test_distributed import CPU, store
 from test_export import val_loss
 from test_sharded import ALONE
 
+from {{cookiecutter.package}} import tracking
 from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.home import path_of
+from {{cookiecutter.package}}.checkpoint.home import best_of, path_of, step_of
+from {{cookiecutter.package}}.mlflow_store import log_models
 from {{cookiecutter.package}}.preemption import Stopped
 
 PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint is an early one (test_best.py)
@@ -20,11 +25,17 @@ PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint i
 
 def models_of(client, run_id: str) -> dict[str, mlflow.entities.LoggedModel]:
     """The run's logged models, by name; a name logged twice fails."""
-    experiment = client.get_run(run_id).info.experiment_id
-    found = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
+    found = all_models_of(client, run_id)
     by_name = {model.name: model for model in found}
     assert len(by_name) == len(found), [model.name for model in found]
     return by_name
+
+
+def all_models_of(client, run_id: str) -> list[mlflow.entities.LoggedModel]:
+    """The run's logged models, oldest first, failed ones included."""
+    experiment = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
+    return sorted(found, key=lambda model: model.creation_timestamp)
 
 
 def loaded(tracking_uri: str, model_id: str) -> torch.nn.Module:
@@ -117,3 +128,70 @@ def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_
     assert logged.info.status == "FINISHED" and "val/loss" in logged.data.metrics
     (failed,) = models_of(client, logged.info.run_id).values()  # MLflow lists the attempt as failed
     assert failed.status == LoggedModelStatus.FAILED
+
+
+# The default model, but the first process to export it, the MLflow sender, is killed in the export
+# (as the OOM killer would kill it), its model PENDING in MLflow.
+KILLED_IN_EXPORT = """
+import os, signal
+import torch
+from {{cookiecutter.package}}.models import MLP
+
+class KilledInExport(MLP):
+    def forward(self, inputs):
+        if torch.compiler.is_exporting() and not os.path.exists({marker!r}):
+            open({marker!r}, "x").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(inputs)
+"""
+
+
+@pytest.mark.parametrize("killed", ["mid-run", "in the export"])
+def test_a_model_a_killed_sender_did_not_log_is_said_marked_failed_and_logged_once_by_a_resume(
+    make_cfg, client, checkpoint_dir, tmp_path, monkeypatch, caplog, killed
+):
+    (tmp_path / "killing.py").write_text(KILLED_IN_EXPORT.format(marker=str(tmp_path / "exported")))
+    monkeypatch.syspath_prepend(tmp_path)  # the model is built here, and in the sender
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    if killed == "mid-run":
+        (tmp_path / "exported").touch()  # its export goes through
+        real_step, steps = recipe.train_step, []
+
+        def step_then_kill_the_sender(run, *args):
+            steps.append(1)
+            if len(steps) == 15:
+                run.tracker._sender._child.kill()
+            return real_step(run, *args)
+
+        monkeypatch.setattr(recipe, "train_step", step_then_kill_the_sender)
+    settings = ["mlflow.log_models=best", "model._target_=killing.KilledInExport"]
+    with caplog.at_level(logging.WARNING):
+        run_id = recipe.train(make_cfg(*settings))["run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    best = best_of(checkpoint_dir)
+    warned = [record.getMessage() for record in caplog.records if record.name == tracking.__name__]
+    assert warned[-1] == (
+        f"the best model (step {step_of(best)}, {best}) was not logged to MLflow: the sender process died (exit code "
+        f"-9); run the same command with resume=last to log it (it trains no further)"
+    )
+    if killed == "in the export":  # its metrics and the end of the run were delivered: nothing else to say
+        assert len(warned) == 1, warned
+    statuses = {"mid-run": [], "in the export": [LoggedModelStatus.FAILED]}[killed]  # not PENDING for good
+    assert [model.status for model in all_models_of(client, run_id)] == statuses
+
+    assert recipe.train(make_cfg(*settings, "resume=last"))["run_id"] == run_id
+    models = all_models_of(client, run_id)
+    assert [model.status for model in models] == [*statuses, LoggedModelStatus.READY]
+    assert models[-1].tags["checkpoint"] == str(best)
+
+
+def test_a_model_a_dead_sender_left_pending_is_marked_failed_by_the_next_sender_of_its_run(client):
+    """The training process, killed with its sender, could not mark it."""
+    experiment = client.create_experiment("left-pending")
+    run_id = client.create_run(experiment).info.run_id
+    logged = client.create_logged_model(experiment, source_run_id=run_id, name="best", tags={"checkpoint": "a"})
+    client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    left = client.create_logged_model(experiment, source_run_id=run_id, name="best", tags={"checkpoint": "b"})
+    log_models(client, run_id, {"checkpoints": [{"name": "best", "path": "a", "step": 10}]})  # logged already
+    assert client.get_logged_model(left.model_id).status == LoggedModelStatus.FAILED
+    assert client.get_logged_model(logged.model_id).status == LoggedModelStatus.READY

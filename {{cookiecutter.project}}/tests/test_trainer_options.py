@@ -2,11 +2,13 @@
 torch.compile: each does what it says, and none breaks an exact resume."""
 
 import logging
+import re
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import losses
 from torch.utils.data import Dataset, TensorDataset
 
 from {{cookiecutter.package}} import components, progress
@@ -42,6 +44,35 @@ def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_
         torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
     position = newest_valid(checkpoint_dir)[1]["position"]
     assert position == {"epoch": 0, "sample": 320}, "five steps of two batches of 32 each"
+
+
+def test_accumulated_batches_make_the_large_batchs_steps_across_an_epoch_boundary(make_cfg, client, tmp_path):
+    """An epoch of the digits is 22 steps of 64 and 30 samples over: dropped per batch of 16, one
+    batch of them would be kept, and from step 23 on the steps would be cut 16 samples apart."""
+    same = ["model.dropout=0", "trainer.max_steps=40"]
+    large = recipe.train(make_cfg(*same, "data.batch_size=64", f"checkpoint.dir={tmp_path / 'large'}"))
+    accumulated = recipe.train(make_cfg(*same, "data.batch_size=16", "trainer.grad_accum_steps=4", "name=accumulated"))
+    expected, found = losses(client, large["run_id"]), losses(client, accumulated["run_id"])
+    assert sorted(found) == sorted(expected) == list(range(1, 41))
+    for step in expected:
+        assert found[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"
+
+
+def test_each_process_accumulates_its_share_of_the_large_batch_and_an_epoch_ends_with_a_whole_step():
+    for rank in (0, 1):
+        large = list(EpochSampler(100, seed=0, batch_size=12, rank=rank, world_size=2, whole_batches=True))
+        small = EpochSampler(100, seed=0, batch_size=4, rank=rank, world_size=2, whole_batches=True, accumulated=3)
+        drawn = list(small)
+        assert len(drawn) == len(small) == 3 * len(large) == 12  # 100 // 24 steps of 3 batches
+        assert [torch.cat(drawn[i : i + 3]).tolist() for i in range(0, 12, 3)] == [step.tolist() for step in large]
+
+
+def test_too_few_samples_for_one_accumulated_step_is_one_line_not_an_endless_wait_for_a_step(make_cfg):
+    cfg = make_cfg("data.batch_size=8")
+    dataset, cpu = TensorDataset(torch.zeros(20, 2), torch.zeros(20)), World(torch.device("cpu"))
+    said = "data.batch_size=8 x 3 accumulated is larger than the 20 training samples, so no full step exists"
+    with pytest.raises(RunError, match=rf"^{re.escape(said)}; use data\.batch_size=6 or less$"):
+        build_loader(dataset, cfg.data, cfg.device, seed=0, world=cpu, accumulated=3)
 
 
 @pytest.mark.parametrize("amp", ["off", "fp16"])

@@ -70,16 +70,26 @@ class EpochSampler(Sampler[int | torch.Tensor]):
 
     With several processes, each global batch (`batch_size` samples per process) is cut from the
     one permutation, rank 0 taking its first `batch_size`, rank 1 the next, and so on: together
-    they train on what one process would with a batch `world_size` times larger.
+    they train on what one process would with a batch `world_size` times larger. With `accumulated`
+    batches a step (trainer.grad_accum_steps), a rank's share is `accumulated` batches in a row, and
+    an epoch ends with the last whole step: each step trains on the samples, and each rank on the
+    share, of a batch `accumulated` times larger, epoch after epoch.
 
     It yields sample indices, or with `whole_batches` each batch's indices as one tensor, for a
     dataset that takes a batch in one lookup."""
 
     def __init__(
-        self, size: int, seed: int, batch_size: int, rank: int = 0, world_size: int = 1, whole_batches: bool = False
+        self,
+        size: int,
+        seed: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        whole_batches: bool = False,
+        accumulated: int = 1,
     ) -> None:
         self.size, self.seed, self.batch_size, self.rank, self.world_size = size, seed, batch_size, rank, world_size
-        self.whole_batches = whole_batches
+        self.whole_batches, self.accumulated = whole_batches, accumulated
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -88,15 +98,20 @@ class EpochSampler(Sampler[int | torch.Tensor]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         rest = torch.randperm(self.size, generator=generator)[self.start :]
-        batches = len(rest) // (self.world_size * self.batch_size)  # whole global batches only
-        # No -1 in the shape: a position at the end of an epoch leaves zero batches, and (0, w, -1) is ambiguous.
-        shape = (batches, self.world_size, self.batch_size)
-        mine = rest[: batches * self.world_size * self.batch_size].view(shape)[:, self.rank]
+        steps = len(rest) // self.step_size  # whole steps only
+        # No -1 in the shape: a position at the end of an epoch leaves zero steps, and (0, w, a, -1) is ambiguous.
+        shape = (steps, self.world_size, self.accumulated, self.batch_size)
+        mine = rest[: steps * self.step_size].view(shape)[:, self.rank].reshape(-1, self.batch_size)
         return iter(mine) if self.whole_batches else iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
-        batches = max(self.size - self.start, 0) // (self.world_size * self.batch_size)
+        batches = max(self.size - self.start, 0) // self.step_size * self.accumulated
         return batches if self.whole_batches else batches * self.batch_size
+
+    @property
+    def step_size(self) -> int:
+        """Samples an optimizer step takes from the permutation, over all processes."""
+        return self.world_size * self.accumulated * self.batch_size
 
 
 def global_batch(config: DictConfig | dict, processes: int) -> int:
@@ -108,14 +123,17 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
-def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int, world: World) -> DataLoader:
-    """This process's training loader: `data.batch_size` samples a batch, its share of each
-    global batch in the order of `EpochSampler`."""
-    if len(dataset) < cfg.batch_size * world.size:
+def build_loader(
+    dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int, world: World, accumulated: int = 1
+) -> DataLoader:
+    """This process's training loader: `data.batch_size` samples a batch, `accumulated` batches a
+    step (trainer.grad_accum_steps), its share of each step in the order of `EpochSampler`."""
+    if len(dataset) < cfg.batch_size * accumulated * world.size:
+        times = f" x {accumulated} accumulated" if accumulated > 1 else ""
         processes = f" x {world.size} processes" if world.size > 1 else ""
         raise RunError(
-            f"data.batch_size={cfg.batch_size}{processes} is larger than the {len(dataset)} training samples, so no "
-            f"full batch exists; use data.batch_size={len(dataset) // world.size} or less"
+            f"data.batch_size={cfg.batch_size}{times}{processes} is larger than the {len(dataset)} training samples, "
+            f"so no full step exists; use data.batch_size={len(dataset) // (accumulated * world.size)} or less"
         )
     # A TensorDataset takes a batch of indices in one indexing of each tensor: fetched a sample at
     # a time and stacked, the demo's batches took as long as its model's step.
@@ -123,7 +141,7 @@ def build_loader(dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: 
     return DataLoader(
         dataset,
         batch_size=None if whole_batches else cfg.batch_size,  # None: each index the sampler yields is a batch
-        sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size, whole_batches),
+        sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size, whole_batches, accumulated),
         drop_last=not whole_batches,  # equal batches: a position is a count of whole global batches
         num_workers=cfg.get("num_workers", 0),
         worker_init_fn=ending_with_this_process(),

@@ -113,6 +113,23 @@ class World:
         return int(flag.item())
 
 
+def launcher_number(variable: str, default: int | None = None) -> int:
+    """The launcher's variable `variable` (torchrun's, SLURM's), a whole number, or `default` where it is
+    unset. Any other value was set by hand: a one-line error naming it, not int()'s traceback."""
+    value = os.environ.get(variable)
+    if value is None and default is not None:
+        return default
+    if value is not None and value.isascii() and value.isdigit():
+        return int(value)
+    found = (
+        f"{variable} is unset while WORLD_SIZE is set" if value is None else f"{variable}={value} is no whole number"
+    )
+    raise RunError(
+        f"{found}: torchrun and SLURM set it for each process they start; unset the variables set by hand, or start "
+        f"the job with torchrun or SLURM"
+    )
+
+
 def script() -> str:
     """The script that Hydra started (run.py, eval.py), for a message that repeats the command."""
     return f"{HydraConfig.get().job.name}.py" if HydraConfig.initialized() else "run.py"
@@ -124,7 +141,7 @@ def join(cfg: "Config") -> Iterator[World]:
     accelerator fails here, before anything is built) and, under strategy=ddp, the process
     group joined and left. A launch that does not match `strategy` is a one-line error."""
     adopt_slurm_tasks()
-    size = int(os.environ.get("WORLD_SIZE", 1))
+    size = launcher_number("WORLD_SIZE", 1)
     if cfg.strategy.type == "single":
         if size > 1:
             raise RunError(
@@ -141,7 +158,7 @@ def join(cfg: "Config") -> Iterator[World]:
             f"torchrun --nproc-per-node=<devices> {script()} {arguments}"
         )
     check_device_per_process(cfg)
-    rank, local_rank = (0, 0) if alone else (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
+    rank, local_rank = (0, 0) if alone else (launcher_number("RANK"), launcher_number("LOCAL_RANK"))
     if cfg.device.type != "cpu":
         cfg.device.index = local_rank
     device = resolve_device(cfg.device)

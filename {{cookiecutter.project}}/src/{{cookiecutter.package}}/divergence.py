@@ -38,8 +38,9 @@ class Divergence:
     def watch(self, step: int, loss: torch.Tensor) -> None:
         self._watched.append((step, loss))
 
-    def check(self, on_disk: Callable[[], str]) -> None:
-        """Raises RunError, naming the step and `on_disk()` (the newest checkpoint), when the run
+    def check(self, standing: Callable[[str], str]) -> None:
+        """Raises RunError, naming the step and `standing(fix)` (the newest checkpoint, and how to go
+        on from it with that fix), when the run
         must stop before it saves again; otherwise warns, once a streak of non-finite steps."""
         if not self._watched:
             return
@@ -53,14 +54,14 @@ class Divergence:
             self._streak.append(step)
             if self.dropped_by is None and self.policy == "stop":
                 raise RunError(
-                    f"the loss is {loss} at step {step}: the run stops unsaved; {on_disk()}; continue from it with "
-                    f"resume=last and a lower optimizer.lr, or choose trainer.on_nonfinite=skip_step"
+                    f"the loss is {loss} at step {step}: the run stops unsaved; {standing('a lower optimizer.lr')}, "
+                    f"or choose trainer.on_nonfinite=skip_step"
                 )
             if self.dropped_by is not None and len(self._streak) > self.patience:
                 raise RunError(
                     f"the loss was not finite for {len(self._streak)} steps in a row (steps {self._streak[0]} to "
                     f"{step}), more than trainer.nonfinite_patience={self.patience}: the run stops unsaved; "
-                    f"{on_disk()}; continue from it with resume=last and a lower optimizer.lr"
+                    f"{standing('a lower optimizer.lr')}"
                 )
             if len(self._streak) == 1:
                 dropped = f"{self.dropped_by} dropped its update" if self.dropped_by else "trainer.on_nonfinite=warn"

@@ -59,9 +59,10 @@ def evaluate(run: Evaluable, loader: DataLoader, shared: bool = True, split: str
 
 @torch.no_grad()
 def check_wiring(run: Evaluable) -> None:
-    """One validation batch through the task, the model, the loss and every metric, on the run's
-    device, before the first step (of a resumed run too): a component that does not fit the others
-    stops the run here, in one line naming it and the shapes, not at a validation hours later.
+    """One validation batch through the task, the model, the loss and every metric (its value
+    too: one number), on the run's device, before the first step (of a resumed run too): a component
+    that does not fit the others stops the run here, in one line naming it and the shapes, not at a
+    validation hours later. The metrics are left as they were built.
     Every process checks its own batch, and all stop if one finds a problem."""
     batch = next(iter(run.val_loader), None)
     # A share too small for one batch leaves the check to the first validation: under fsdp a
@@ -107,11 +108,19 @@ def wiring_problem(run: Evaluable, batch: Any) -> str | None:
             return f"loss ({cfg.loss._target_}) gives a tensor {shape(loss)} for {fit}; it must give one number"
         for name, metric in run.metrics.items():
             try:
-                metric.update(outputs, targets)
+                # Called, not update() then compute(): the call gives this batch's value without
+                # compute()'s sync across processes, which one that stopped above would never join.
+                value = metric(outputs, targets)
             except failures as error:
                 return f"metrics.{name} ({cfg.metrics[name]._target_}) does not fit {fit}: {first_line(error)}"
             finally:
                 metric.reset()
+            if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                return (
+                    f"metrics.{name} ({cfg.metrics[name]._target_}) computes {shape(value)}, not the one number "
+                    f"val/{name} must be; use a metric that gives one (per-class scores: average=macro), or drop it: "
+                    f"~metrics.{name}"
+                )
         return None
     finally:
         run.model.train()

@@ -8,12 +8,15 @@ crafted `.metadata` (checkpoint/sharded.py); its optimizer state is never read. 
 created whole, or not at all, and never over a file that is there.
 """
 
+import errno
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from . import components
@@ -21,7 +24,7 @@ from .checkpoint.files import write_new
 from .checkpoint.initial import lineage, load_weights
 from .config import Config, check_values
 from .data import build_data
-from .distributed import World
+from .distributed import World, launcher_number
 from .errors import RunError, reported
 from .saved_model import check_trained_alike, find
 
@@ -44,7 +47,7 @@ def export(cfg: Config, which: str, out: Path, dtype: str) -> Path:
         raise RunError(
             f"dtype={dtype}: export.py writes {', '.join(DTYPES)}; pass dtype=fp32 to keep the weights whole"
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launcher_number("WORLD_SIZE", 1) > 1:
         raise RunError("export.py reads any checkpoint in one process: run python export.py ..., not under torchrun")
     # On the CPU, one process: the weights are read and written, never run.
     saved = find(cfg, World(torch.device("cpu")), which)
@@ -65,7 +68,7 @@ def export(cfg: Config, which: str, out: Path, dtype: str) -> Path:
         "score": saved.state.get("score"),  # optimized_metric at the checkpoint's step, when it was ranked
     }
     try:
-        write_new(out, lambda scratch: save_file(tensors, scratch, metadata={"format": "pt"}))
+        write_new(out, lambda scratch: save_weights(tensors, scratch))
         try:
             write_new(sidecar, lambda scratch: scratch.write_text(json.dumps(described, indent=1) + "\n"))
         except BaseException:
@@ -76,10 +79,25 @@ def export(cfg: Config, which: str, out: Path, dtype: str) -> Path:
             f"{out} or {sidecar} appeared while exporting, and stays as it was; pass out=<new name>.safetensors"
         ) from None
     except OSError as error:
-        raise RunError(f"cannot write {out} ({error.strerror}); pass out=<a path in a folder you can write>") from None
+        room = "free space there, or " if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise RunError(
+            f"cannot write {out} ({error.strerror}); {room}pass out=<a path in a folder you can write>"
+        ) from None
     size = out.stat().st_size / 2**20
     log.info(f"wrote {out} ({len(tensors)} tensors, {size:.1f} MiB, {dtype}) and {sidecar}: the model of {saved.path}")
     return sidecar
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, which says a failed write (a full disk) as text in a SafetensorError:
+    raised as the OSError it was."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def paths(out: Path) -> tuple[Path, Path]:

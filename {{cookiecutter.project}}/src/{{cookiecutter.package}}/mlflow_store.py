@@ -28,6 +28,7 @@ from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
 from mlflow.utils.uri import get_uri_scheme
 from sqlalchemy.engine import make_url
 
+from .checkpoint.files import read_regular
 from .config import MlflowConfig
 from .errors import RunError, first_line
 from .unsent import replay_command, spill, spill_path
@@ -305,7 +306,8 @@ class _Sender:
     holds lists of metric rows, tags ({"tags": ...}) and the end of the run ({"end": ...}), then
     None; or None alone when the trainer died. Then the system metrics monitor (if any) stops,
     what is still pending goes to `spill_file`, a JSON-lines file, and the run is ended. Each time
-    metrics are delivered or spilled, `confirm` is told how many have been, counted from the start.
+    metrics are delivered or spilled, `confirm` is told how many have been, counted from the start;
+    once the run is ended (or its end spilled), "ended".
     """
 
     def __init__(
@@ -314,7 +316,7 @@ class _Sender:
         run_id: str,
         spill_file: Path,
         incoming: queue.Queue,
-        confirm: Callable[[int], None],
+        confirm: Callable[[int | str], None],
         monitor: Any = None,
     ) -> None:
         self._client, self._run_id, self._spill_file, self._incoming = client, run_id, spill_file, incoming
@@ -339,6 +341,7 @@ class _Sender:
                 self._spill_pending()
                 if end is not None:  # a trainer that died said nothing: the run is left as it is
                     end_run(self._client, self._run_id, end, self._spill_file)
+                    self._confirm("ended")
                 if models is not None:  # last: a sender killed while it copies weights loses no metric, nor the end
                     log_models(self._client, self._run_id, models)
                 return
@@ -402,16 +405,33 @@ class _Sender:
         )
 
 
+def unlogged(client: MlflowClient, run_id: str, checkpoints: list[dict]) -> list[dict]:
+    """Of `checkpoints` (name, path, step), those the run has no READY model of. A model of the run
+    still PENDING is one its sender died logging (only the run's sender logs its models, and only as
+    it ends): it is marked FAILED, as MLflow marks one whose logging raised, not shown in progress
+    for good."""
+    experiment = client.get_run(run_id).info.experiment_id
+    logged = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
+    for model in logged:
+        if model.status == LoggedModelStatus.PENDING:
+            client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+    ready = {model.tags.get("checkpoint") for model in logged if model.status == LoggedModelStatus.READY}
+    return [checkpoint for checkpoint in checkpoints if checkpoint["path"] not in ready]
+
+
 def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
     """Each checkpoint `asked` names as an MLflow model of the run (a LoggedModel: the Models tab,
     `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step,
     unless the run has a model of that checkpoint already (a resume that did not change the best;
-    one whose logging failed, which MLflow lists as FAILED, is tried again).
+    one whose logging failed, which MLflow lists as FAILED, or that a killed sender left PENDING,
+    is tried again: see `unlogged`).
     The model is built from its description, given the checkpoint's weights through the project's
     own loaders, on the CPU, and saved as a graph traced by `torch.export` ("pt2"), which loads
     without this project's code; an example of two samples leaves its batch size free. Whatever
     fails warns: the checkpoints stay, and the run's metrics and end are delivered already."""
     try:
+        if not (left := unlogged(client, run_id, asked["checkpoints"])):
+            return
         import mlflow.pytorch  # torch and its flavor (3 s) only in a sender that logs a model
         import torch
         from hydra.utils import instantiate
@@ -421,16 +441,12 @@ def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
 
         experiment = client.get_run(run_id).info.experiment_id
         mlflow.set_experiment(experiment_id=experiment)  # MLflow files a model under the active one
-        logged = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'")
-        had = {model.tags.get("checkpoint") for model in logged if model.status == LoggedModelStatus.READY}
         example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
         requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
     except Exception as error:
         log.warning(f"no model was logged to MLflow ({first_line(error)}); the checkpoints stay: export.py writes one")
         return
-    for checkpoint in asked["checkpoints"]:
-        if checkpoint["path"] in had:
-            continue
+    for checkpoint in left:
         try:
             model = instantiate(asked["model"])
             # Written and sealed by this run moments ago: read without checking every byte again.
@@ -511,7 +527,7 @@ def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
     """Sends a file of unsent metrics to `tracking_uri`, then ends the runs it records the end
     of; returns how many metrics were sent, and what became of each recorded end, by run."""
     client, metrics_by_run, ends = connect(tracking_uri), {}, {}
-    for line in path.read_text().splitlines():
+    for line in read_regular(path).decode(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # the last line of a writer killed mid-write: what it held is lost

@@ -70,6 +70,8 @@ class Monitor:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state.get("waited"), int):
             raise ValueError(f"a count of validations is an integer; found {state.get('waited')!r}")
+        if not _finite(state.get("best")):
+            raise ValueError("its best value is not a finite number a float can hold")
         if (state.get("metric"), state.get("mode")) != (self.metric, self.mode):
             log.info(
                 f"the checkpoint watched {state.get('metric')} ({state.get('mode')}), this run watches {self.metric} "
@@ -77,3 +79,12 @@ class Monitor:
             )
             return
         self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]
+
+
+def _finite(best: object) -> bool:
+    """Whether `best` can be a metric's best value: an integer too large for a float (a crafted
+    checkpoint) would raise OverflowError at the first comparison."""
+    try:
+        return best is None or (isinstance(best, int | float) and not isinstance(best, bool) and math.isfinite(best))
+    except OverflowError:
+        return False

@@ -7,7 +7,8 @@ optimizer state. Each glob of `lr_multipliers` makes a parameter group, named af
 that multiple of `optimizer.lr`; the schedule scales every group alike, and each group's lr is
 logged as `train/lr/<group>`, beside `train/lr`, the configured lr as the schedule sets it. The
 groups are made from the config at every start, a resume included, so that the restored optimizer
-state meets the same groups.
+state meets the same groups. After the first step, every parameter that trains must be in the
+optimizer: one built later (in a model's `forward`) stops the run.
 """
 
 import fnmatch
@@ -90,6 +91,20 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
         if group[MULTIPLIER] != 1.0:  # an lr of None (a relative-step optimizer) stays None
             group["lr"] = group["lr"] * group[MULTIPLIER]
     return optimizer
+
+
+def check_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Stops the run, naming each parameter that trains but that the optimizer does not hold: one
+    made after the optimizer was (a layer a model builds in `forward` on first use) would get
+    gradients at every step and never change. Run once, after the first step: by then such a layer exists."""
+    held = {parameter for group in optimizer.param_groups for parameter in group["params"]}
+    missed = [name for name, parameter in model.named_parameters() if parameter.requires_grad and parameter not in held]
+    if missed:
+        raise RunError(
+            f"{len(missed)} parameter(s) of the model train but are not in the optimizer, and would never change: "
+            f"{listed([f'model.{name}' for name in missed])}; they were built after it, e.g. in the model's forward: "
+            f"build every layer in the model's __init__"
+        )
 
 
 def group_name(glob: str) -> str:

@@ -22,6 +22,9 @@ import re
 import signal
 import subprocess
 
+from .distributed import launcher_number
+from .errors import RunError
+
 log = logging.getLogger(__name__)
 
 # How many times the job has come back, as SLURM and torchrun count.
@@ -32,11 +35,14 @@ COMES_BACK = (signal.SIGUSR1, signal.SIGUSR2)
 def implied_resume(resume: str | None) -> str | None:
     """`resume`, or `auto` for a job that came back by itself without a `resume=`: the command
     line that started it (the README's sweep line, say) must continue it, not refuse to start over
-    its checkpoints."""
+    its checkpoints. Read at the start, with the job's id that a requeue needs: a variable set by hand
+    that cannot be used fails here, in one line, not after the save that a signal asked for."""
+    slurm_job()
+    counts = {variable: launcher_number(variable, 0) for variable in RESTART_COUNTS}
     if resume is not None:
         return resume
-    for variable in RESTART_COUNTS:
-        if (count := int(os.environ.get(variable) or 0)) > 0:
+    for variable, count in counts.items():
+        if count > 0:
             log.info(f"{variable}={count}: this job came back by itself, so it continues with resume=auto")
             return "auto"
     return None
@@ -53,7 +59,7 @@ def requeue(received: signal.Signals) -> str | None:
     shown = scontrol("show", "job", "-o", job)
     fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout if shown else ""))
     # Requeued already: by `scontrol requeue`, or by a preemption without grace time.
-    if int(fields.get("Restarts", 0)) > int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+    if int(fields.get("Restarts", 0)) > launcher_number("SLURM_RESTART_COUNT", 0):
         return comes_back
     preempted = fields.get("PreemptTime", "None") != "None" or fields.get("Reason") == "TimeLimit"
     if received not in COMES_BACK and not preempted:
@@ -72,7 +78,13 @@ def slurm_job() -> str | None:
     if "SLURM_JOB_ID" not in os.environ:
         return None
     if "SLURM_ARRAY_TASK_ID" in os.environ:
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+        task = os.environ["SLURM_ARRAY_TASK_ID"]
+        if "SLURM_ARRAY_JOB_ID" not in os.environ:
+            raise RunError(
+                f"SLURM_ARRAY_TASK_ID={task} is set but SLURM_ARRAY_JOB_ID is not, and a requeue needs both: SLURM "
+                f"sets them together for a task of an array job; unset SLURM_ARRAY_TASK_ID, or set both"
+            )
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
     return os.environ["SLURM_JOB_ID"]
 
 

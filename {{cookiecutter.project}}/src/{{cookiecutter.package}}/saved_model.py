@@ -46,7 +46,7 @@ def find(cfg: DictConfig, world: World, which: str) -> Checkpoint:
                 f"{asked}: {home} holds no checkpoint of {cfg.name}; train it first (python run.py name={cfg.name}), "
                 f"or pass checkpoint=<a checkpoint's path>"
             )
-        if which == "best" and not (home / BEST).is_file():
+        if which == "best" and not (home / BEST).exists():
             raise RunError(
                 f"{asked}: {home} names no best checkpoint (it was trained with checkpoint.keep_best=false); pass "
                 f"checkpoint=last or a checkpoint's path"

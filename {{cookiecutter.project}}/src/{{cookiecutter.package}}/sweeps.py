@@ -31,7 +31,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint.files import write_text
+from .checkpoint.files import read_regular, write_text
 from .errors import RunError, first_line
 from .preemption import Stopped
 from .tracking import check_tracking_uri
@@ -100,7 +100,7 @@ def current_job() -> Job | None:
     parent_file = Path(hydra.sweep.dir) / PARENT_RUN_FILE
     return Job(
         key=hydra.job.override_dirname.replace("/", "_") or "defaults",
-        parent_run_id=parent_file.read_text().strip() if parent_file.exists() else None,
+        parent_run_id=read_regular(parent_file).decode().strip() if parent_file.exists() else None,
         output_dir=Path(hydra.runtime.output_dir),
     )
 
@@ -158,7 +158,9 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        results = [json.loads(path.read_text()) for path in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"), key=_job_number)]
+        results = [
+            json.loads(read_regular(path)) for path in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"), key=_job_number)
+        ]
         table = summary_table(results)
         log.info(f"sweep summary ({sweep_dir}):\n{table}")
         failed = [result["job"] for result in results if result["status"] != "FINISHED"]

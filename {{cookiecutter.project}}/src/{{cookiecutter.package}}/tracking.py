@@ -13,7 +13,8 @@ A store that is down costs a warning, never the run: metrics wait and are retrie
 never got through are written to a file, with the status the run should have ended with, that
 `python -m <package>.tracking replay` sends later. The sender confirms what it has delivered (or
 written to that file); if it dies (killed, out of memory), the training process writes what was
-not confirmed, and everything after it, the end of the run included, to the same file.
+not confirmed, and everything after it, the end of the run included, to the same file, and names
+the models it did not log, which a resume logs.
 """
 
 import argparse
@@ -90,6 +91,7 @@ class Tracker:
         self._cfg, self._spill_dir, self._main = cfg, spill_dir, main
         self._resumed_run_id: str | None = None  # the run a restored checkpoint was written by
         self._sender: _Handover | None = None
+        self._models: list[dict] = []  # the checkpoints handed over to be logged as models
 
     @property
     def run_id(self) -> str | None:
@@ -146,6 +148,7 @@ class Tracker:
         and arguments), `example` is an input it takes (values, dtype). The sender reads the weights
         and writes the copy: training does not wait."""
         if self._sender is not None and checkpoints:
+            self._models = checkpoints
             self._sender.send({"models": {"checkpoints": checkpoints, "model": model, "example": example}})
 
     def flush(self) -> None:
@@ -165,7 +168,8 @@ class Tracker:
         The sender process ends it, so that the run is not over in the UI while metrics still
         arrive; and, if the store refuses, it records the end in the spill file after the
         metrics it could not send, alone at that file, so `replay` ends the run later. If the
-        sender died, this process has written them there itself, and now replays that file.
+        sender died, this process has written them there itself, and now replays that file; and
+        says which of the models it handed over are not logged.
         """
         if self._sender is None:
             return
@@ -174,6 +178,8 @@ class Tracker:
         end = {"status": status, "end_time": int(time.time() * 1000), "resumes": opened["resumes"]} if run_id else None
         if (spilled := self._sender.close(end)) is not None:
             self._replay(*spilled)
+        if self._sender.died is not None and self._models:
+            self._unlogged(self._sender.died)
 
     def _replay(self, died: str, spill_file: Path, first_step: int | None) -> None:
         """What a dead sender left to this process, sent now (importing MLflow, as only here)."""
@@ -192,14 +198,35 @@ class Tracker:
         spill_file.unlink()
         log.warning(f"{said}; sent now, with the end of the run")
 
+    def _unlogged(self, died: str) -> None:
+        """Which models a sender that died did not log, and how to log them, in one line; one it left
+        PENDING is marked FAILED (mlflow_store.unlogged). A resume logs them: the sender of a run that
+        finished logs the models it lacks, once."""
+        from .mlflow_store import connect, unlogged
+
+        try:
+            left = unlogged(connect(self._cfg.tracking_uri), self.run_id, self._models)
+        except Exception:  # the store cannot say: then the next sender marks what was left PENDING
+            left = self._models
+        if left:
+            models = " and ".join(
+                f"the {model['name']} model (step {model['step']}, {model['path']})" for model in left
+            )
+            was, them = ("was", "it") if len(left) == 1 else ("were", "them")
+            log.warning(
+                f"{models} {was} not logged to MLflow: the sender process died ({died}); run the same command "
+                f"with resume=last to log {them} (it trains no further)"
+            )
+
 
 class _Handover:
     """The training process's side of the sender: hands it requests and metrics, as JSON lines,
     through a pipe, from a thread of its own, so a full pipe never blocks training; reads, from
-    another, its answer to `open` and then how many metrics it has confirmed so far.
+    another, its answer to `open`, then how many metrics it has confirmed so far, and that it has
+    ended the run.
 
-    Metrics stay here until confirmed. If the sender dies, those and everything handed over after
-    (metrics, and the end of the run) go to the run's spill file instead, for `replay`.
+    Metrics, and the end of the run, stay here until confirmed. If the sender dies, those and
+    everything handed over after go to the run's spill file instead, for `replay`.
     """
 
     def __init__(self) -> None:
@@ -219,7 +246,7 @@ class _Handover:
         self._taken_off = 0
         self._held = threading.Lock()  # _unconfirmed, shared by the writer and the reader
         self._keeping = True  # until the sender answers that the run is untracked: nothing to keep then
-        self._end: dict | None = None  # the end of the run, once handed over
+        self._end: dict | None = None  # the end of the run, once handed over, until confirmed
         self._died: str | None = None  # how the sender ended, once it has died
         self._spilled: tuple[Path, int | None] | None = None  # the spill file, and the first step written to it
         self._reader = threading.Thread(target=self._read, name="mlflow-answers", daemon=True)
@@ -234,6 +261,11 @@ class _Handover:
             log.warning("the MLflow sender process stopped before opening the run; training goes on untracked")
             self._answer = {"run_id": None, "resumes": 0}
         return self._answer
+
+    @property
+    def died(self) -> str | None:
+        """How the sender ended (its exit code), if it died."""
+        return self._died
 
     def send(self, request: dict) -> None:
         with self._lock:
@@ -279,8 +311,9 @@ class _Handover:
         return None if self._spilled is None else (self._died, *self._spilled)
 
     def _read(self) -> None:
-        """The answer to `open`, then the count of metrics confirmed, line by line, until the
-        sender's output ends: it is done, or dead (then the writer learns it at its next write)."""
+        """The answer to `open`, then the count of metrics confirmed, line by line, and "ended",
+        until the sender's output ends: it is done, or dead (then the writer learns it at its next
+        write)."""
         for line in self._child.stdout:
             if self._answer is None:
                 self._answer = json.loads(line)
@@ -290,8 +323,11 @@ class _Handover:
                         self._keeping = False
                         self._unconfirmed.clear()
                 continue
+            if (confirmed := json.loads(line)) == "ended":  # killed after this, logging models, it leaves no end
+                self._end = None
+                continue
             with self._held:
-                self._take_off(int(line) - self._taken_off)
+                self._take_off(confirmed - self._taken_off)
         self._answered.set()
         self._batches.put(_SENDER_ENDED)
 
@@ -322,8 +358,7 @@ class _Handover:
                 self._child.stdin.close()  # end of input: the sender delivers the rest and exits
 
     def _sender_died(self, how: str) -> None:
-        """From now on, the spill file; first, what the sender had not confirmed (and the end, which
-        it takes as its last work)."""
+        """From now on, the spill file; first, what the sender had not confirmed, the end included."""
         if self._died is not None:
             return
         self._died = how

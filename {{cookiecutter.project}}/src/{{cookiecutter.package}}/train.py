@@ -72,7 +72,7 @@ def train_in(cfg: Config, world: World) -> dict:
     """Steps 2 to 11, in this process's place among the job's."""
     # 2. The checkpoint home, held by rank 0 until the run ends: a second run with the same name,
     #    a fresh run over saved checkpoints, or a folder that cannot take checkpoints, stops here,
-    #    not at a save hours later.
+    #    not at a save hours later. A run refused before it saves leaves the folder as it found it.
     home = Path(cfg.checkpoint.dir)
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
@@ -195,9 +195,10 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device
     #    (again after the first step, in `fit`); then one batch through model, loss and metrics,
     #    so a part that does not fit the others stops the run now, before MLflow or a checkpoint
-    #    hears of it.
+    #    hears of it; and a disk with less room than one checkpoint, which every save would fail on.
     audit_placement(run.device, run.model, run.optimizer, run.scaler)
     check_wiring(run)
+    checkpoints.check_room()
     return run, checkpoints, found
 
 
@@ -227,7 +228,9 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     stops the run before it can save (divergence.py). Returns the last loss and the throughput
     over the run, or nothing when there was no step left to train."""
     trainer, save_every, keep_best = run.trainer, run.cfg.checkpoint.every_n_steps, run.cfg.checkpoint.keep_best
-    loader = build_loader(run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world)
+    loader = build_loader(
+        run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world, trainer.grad_accum_steps
+    )
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss, first = Throughput(run.task.unit), None, run.step
@@ -237,12 +240,13 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
             loss, grad_norm, counted = train_step(run, micro_batches)
             if run.step == first:  # the optimizer's state exists now, and so does a layer built in forward
                 audit_placement(run.device, run.model, run.optimizer, run.scaler)
+                param_groups.check_optimized(run.model, run.optimizer)
             run.step += 1
             divergence.watch(run.step, loss)
             meter.count(run.world.size * counted)
             progress.step()
             if run.step % trainer.log_every_n_steps == 0:
-                divergence.check(checkpoints.on_disk)
+                divergence.check(checkpoints.standing)
                 value, rates = loss.item(), meter.window()
                 lrs = param_groups.learning_rates(run.optimizer)
                 norm = {} if grad_norm is None else {"train/grad_norm": grad_norm.item()}
@@ -252,11 +256,11 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 validate(run, loss.item())
                 run.monitor.observe()
             if run.step % save_every == 0:
-                divergence.check(checkpoints.on_disk)
+                divergence.check(checkpoints.standing)
                 if keep_best:  # each checkpoint is ranked by its own step's metric
                     validate(run, loss.item())
                 checkpoints.try_save(run.step)
-    divergence.check(checkpoints.on_disk)
+    divergence.check(checkpoints.standing)
     # A run resumed at its last step trains nothing: no training loss or throughput to report.
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
 

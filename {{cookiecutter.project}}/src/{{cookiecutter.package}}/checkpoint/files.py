@@ -51,11 +51,17 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: b
 
 def write_new(path: Path, write: Callable[[Path], object]) -> None:
     """`path` created, on disk, from the file `write` writes at the path it is given, whole or not
-    at all. Whatever stands at `path` already (a file, a link) stays as it is: FileExistsError."""
+    at all. Whatever stands at `path` already (a file, a link) stays as it is: FileExistsError.
+    It gets the mode of a file created there (the umask's), whatever mode `write` gave it:
+    safetensors writes 0600, through a file of its own that it renames onto the scratch."""
     scratch = temporary(path)
     try:
+        # Also where a folder takes no file (read-only, full, /proc) fails plainly, as an OSError.
+        with open(scratch, "xb") as file:
+            mode = stat.S_IMODE(os.fstat(file.fileno()).st_mode)
         write(scratch)
         with open(scratch, "rb") as file:
+            os.fchmod(file.fileno(), mode)
             os.fsync(file.fileno())
         os.link(scratch, path)  # unlike a rename, refuses a name that is taken
     finally:
@@ -136,7 +142,7 @@ def open_regular(path: Path) -> BinaryIO:
     try:
         mode = os.fstat(descriptor).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegular(path, _kind(mode))
+            raise NotRegular(path, kind(mode))
         os.set_blocking(descriptor, True)
         return os.fdopen(descriptor, "rb")
     except BaseException:
@@ -149,7 +155,8 @@ def read_regular(path: Path) -> bytes:
         return file.read()
 
 
-def _kind(mode: int) -> str:
+def kind(mode: int) -> str:
+    """What a file of `mode` (its st_mode) is, in words, where it is not a regular file."""
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
@@ -210,19 +217,22 @@ def first_failing(checks: Mapping[str, Callable[[], bool]]) -> str | None:
     return next((name for name, ok in zip(names, passed, strict=True) if not ok), None)
 
 
-def load_restricted(source: Path | BinaryIO, name: object) -> object:
+def load_restricted(source: Path | BinaryIO, name: object, device: str = "cpu") -> object:
     """torch.load onto the CPU admitting only tensors and plain values (`weights_only`), so that a
     crafted pickle cannot run code; what it refuses or cannot read is a CheckpointError naming
-    `name`. On the CPU, a checkpoint written on any device resumes on any other."""
+    `name`. On the CPU, a checkpoint written on any device resumes on any other; on `device="meta"`,
+    no tensor's bytes are read: the plain values, for the price of the pickle."""
     import torch  # not at import: the MLflow sender uses open_plain and never reads a checkpoint
 
     try:
         if isinstance(source, Path):
             with open_regular(source) as file:
-                return torch.load(file, map_location="cpu", weights_only=True)
-        return torch.load(source, map_location="cpu", weights_only=True)
+                return torch.load(file, map_location=device, weights_only=True)
+        return torch.load(source, map_location=device, weights_only=True)
     except NotRegular as refused:
-        raise CheckpointError(f"{name} is {refused.what}, not a checkpoint file: name a checkpoint file or folder") from None
+        raise CheckpointError(
+            f"{name} is {refused.what}, not a checkpoint file: name a checkpoint file or folder"
+        ) from None
     except pickle.UnpicklingError as error:
         # Only the name of what was refused: torch's own text goes on to suggest weights_only=False.
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))

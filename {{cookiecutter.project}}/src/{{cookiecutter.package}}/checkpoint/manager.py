@@ -6,10 +6,12 @@ writer threads; which format a save takes is decided here, by the strategy, and 
 """
 
 import logging
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from omegaconf import OmegaConf
 
 from ..config import Config
@@ -143,14 +145,15 @@ class Checkpointer:
                 ) from None
 
     def _tidy(self, saved: Checkpoint) -> None:
-        """Rank 0, resuming: the home's newer checkpoints set aside, and the restored one ranked (a
-        run killed between its rename and its ranking left it unranked)."""
+        """Rank 0, resuming: the home's newer checkpoints set aside, and the home ranked by this run's
+        optimized_metric, the restored checkpoint with the rest (a run killed between its rename and
+        its ranking left it unranked; one that changed optimized_metric finds the home ranked by another)."""
         if (folder := set_aside_newer(self.home, saved.step)) is not None:
             log.info(f"resuming from step {saved.step}: the newer checkpoints of {self.home} are moved to {folder}")
-        score = saved.state.get("score")
-        if self.settings.keep_best and score is not None and saved.path.parent.resolve() == self.home.resolve():
+        if self.settings.keep_best and saved.path.parent.resolve() == self.home.resolve():
+            own = {saved.path.name: saved.state.get("score")}
             try:
-                rank(self.home, {saved.path.name: score["value"]}, score["metric"], score["mode"])
+                rank(self.home, own, self.cfg.optimized_metric, self.cfg.optimized_mode)
             except OSError as error:
                 log.warning(f"{saved.path.name} could not be ranked ({error.strerror or error})")
 
@@ -174,8 +177,31 @@ class Checkpointer:
         except SaveError as error:
             raise RunError(
                 f"{error}, so step {step} is not saved; {self.on_disk()}; free space or fix the folder, "
-                f"then continue with resume=last"
+                f"then {self.continuation()}"
             ) from None
+
+    def check_room(self) -> None:
+        """Refuses a run whose home has less free space than one checkpoint will take, before its
+        first step: otherwise every save fails, and the run learns it only at the last one, which
+        must succeed. A fresh optimizer has no state until its first step: its size is estimated
+        from the parameters it trains."""
+        model, optimizer = self.parts["model"], self.parts["optimizer"]
+        weights = _size(model.state_dict().values())
+        if optimizer.state:
+            moments = _size(value for state in optimizer.state.values() for value in state.values())
+        else:
+            trained = (parameter for group in optimizer.param_groups for parameter in group["params"])
+            moments = _slots(optimizer) * _size(trained)
+        # The home is rank 0's, claimed before this (or, built without a claim, to be made in the nearest folder there is).
+        there = next(folder for folder in (self.home, *self.home.parents) if folder.is_dir())
+        free = self.world.on_main(lambda: shutil.disk_usage(there).free)
+        if free < weights + moments:
+            needed, model_part, optimizer_part = map(_readable, (weights + moments, weights, moments))
+            raise RunError(
+                f"{self.home} has {_readable(free)} free, less than one checkpoint of this run takes (about {needed}: "
+                f"{model_part} of model, {optimizer_part} of optimizer state); free space there, or choose a folder "
+                f"with room with checkpoint.dir=<path>"
+            )
 
     def kept(self, which: str) -> list[dict]:
         """The checkpoints `mlflow.log_models` names (best, final, both, none), once the last save is
@@ -185,6 +211,19 @@ class Checkpointer:
         if which == "both" and found["final"] == found["best"]:
             names = ["best"]
         return [{"name": name, "path": str(found[name]), "step": step_of(found[name])} for name in names if found[name]]
+
+    def standing(self, fix: str) -> str:
+        """Where the run stands on disk and how to go on from there with `fix` (a lower lr): for messages."""
+        return f"{self.on_disk()}; {self.continuation(fix)}"
+
+    def continuation(self, fix: str = "") -> str:
+        """The command that goes on from the newest checkpoint on disk, and none that cannot work:
+        with nothing saved, a fresh start; from a checkpoint elsewhere (resumed from another home),
+        that checkpoint, which resume=last would not find."""
+        if self.newest is None:
+            return f"run it again with {fix}" if fix else "run it again"
+        resume = "last" if self.newest.parent.resolve() == self.home.resolve() else str(self.newest)
+        return f"continue from it with resume={resume}" + (f" and {fix}" if fix else "")
 
     def on_disk(self) -> str:
         """Where the run stands on disk, once the write in flight is done: for messages."""
@@ -249,8 +288,7 @@ class Checkpointer:
         if broken := self._ready():
             raise RunError(
                 f"the model is no longer finite at step {step} ({', '.join(broken[:3])}"
-                f"{', ...' if len(broken) > 3 else ''}): nothing is saved; {self.on_disk()}; continue from it "
-                f"with resume=last and a lower optimizer.lr"
+                f"{', ...' if len(broken) > 3 else ''}): nothing is saved; {self.standing('a lower optimizer.lr')}"
             )
 
     def _collect(self) -> None:
@@ -278,3 +316,22 @@ class Checkpointer:
         if self.failed is not None:
             log.warning(f"saving works again: step {step} is saved")
             self.failed = None
+
+
+def _size(values: Iterable) -> int:
+    """The bytes of the tensors among `values`; of a sharded tensor, all its shards'."""
+    return sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor))
+
+
+def _slots(optimizer: torch.optim.Optimizer) -> int:
+    """How many tensors the size of its parameter the optimizer keeps for each: SGD's momentum,
+    Adam's and AdamW's two moments (three with amsgrad); another optimizer is taken for Adam."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if optimizer.defaults.get("momentum") else 0
+    return 3 if optimizer.defaults.get("amsgrad") else 2
+
+
+def _readable(size: int) -> str:
+    """Bytes in the largest binary unit they fill, to 4 figures: 160 KiB, 1.273 GiB."""
+    power = min((max(size, 1).bit_length() - 1) // 10, 4)
+    return f"{size / 1024**power:.4g} {('bytes', 'KiB', 'MiB', 'GiB', 'TiB')[power]}"

@@ -13,6 +13,7 @@ from ..distributed import World
 from ..errors import CheckpointError, RunError
 from . import home as homes
 from . import onefile, schema
+from .files import kind
 from .schema import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,11 @@ def at(path: Path, verify: bool, asked: str, instead: str) -> Checkpoint:
         if (found := newest_valid(path, verify)) is None:
             raise RunError(f"{asked}: no valid checkpoint in {path}; pass {instead} or a checkpoint file or folder")
         return found
+    if path.exists() and not (path.is_dir() or path.is_file()):  # a FIFO: a read would wait for a writer
+        raise RunError(
+            f"{asked}: {path} is {kind(path.stat().st_mode)}, not a checkpoint file or folder; pass {instead} or a "
+            f"checkpoint's path"
+        )
     if path.exists():
         return load(path, verify)
     raise RunError(f"{asked}: no such file or folder; pass {instead} or a checkpoint's path")

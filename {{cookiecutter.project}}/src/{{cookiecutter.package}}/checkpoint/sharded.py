@@ -7,13 +7,17 @@ DCP trusts its files more than this project does: it unpickles `.metadata` with 
 `pickle.load`, and loads non-tensor values with `torch.load(weights_only=False)`, so a crafted
 checkpoint could run code. Here the metadata goes through an unpickler that admits only DCP's own
 metadata classes, and the values through the restricted loader. And since DCP keeps no checksums,
-each file's is taken as it is written and checked before a load.
+each file's is taken as it is written and checked before a load. DCP also reads whatever file the
+metadata names, `../../elsewhere/__0_0.distcp` or a FIFO: here every file a folder names, or
+holds as a link, must be a regular file inside it, checked before any is read, with or without
+checksums (the checksums are in `state.pt`, which whoever crafted the folder rewrote too).
 """
 
 import contextlib
 import io
 import os
 import pickle
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,10 +42,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import World
-from ..errors import CheckpointError, SaveError
+from ..errors import CheckpointError, SaveError, first_line
 from . import onefile, schema
 from .background import Snapshot, Writer
-from .files import Checksummed, checksum, first_failing, load_restricted, mapped, remove, sync_folder, temporary
+from .files import (
+    Checksummed,
+    checksum,
+    first_failing,
+    kind,
+    load_restricted,
+    mapped,
+    open_regular,
+    remove,
+    sync_folder,
+    temporary,
+)
 from .home import completed, path_of
 from .schema import STATE
 
@@ -165,9 +180,9 @@ def complete(state: dict, scratch: Path, home: Path, keep_last: int) -> Path:
 def read(path: Path, verify: bool) -> dict:
     """The folder's `state.pt`, checked; with `verify`, its shard files too (not read: `load_into`
     reads them into the model where it is placed)."""
-    if not (path / STATE).is_file():
+    if not (state_file := _inside(path, STATE)).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no {STATE}")
-    state = onefile.read(path / STATE, verify)
+    state = onefile.read(state_file, verify)
     schema.check(path, state, sharded=True)
     if verify:
         _verify(path, state["shards"])
@@ -178,7 +193,7 @@ def _verify(folder: Path, files: dict[str, list[int]]) -> None:
     """Refuses the folder, naming the file, unless every file listed at save is there, whole and
     unchanged, and the metadata is DCP's own."""
     for name, (size, _) in sorted(files.items()):
-        file = folder / name
+        file = _inside(folder, name)
         if not file.is_file() or file.stat().st_size != size:
             missing = not file.is_file()
             _refuse(folder, f"its shard file {name} is {'missing' if missing else 'truncated or extended'}")
@@ -193,6 +208,23 @@ def _verify(folder: Path, files: dict[str, list[int]]) -> None:
 def file_checksum(path: Path) -> int:
     with mapped(path) as view:
         return checksum(view)
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """`folder / name`, refused unless it resolves, links followed, inside `folder`, to a regular
+    file or to nothing (missing: the caller's to name): a checkpoint may come from anywhere, and
+    what it names must not carry a read out of it (into the weights, and out again by export.py),
+    nor into a FIFO that waits for a writer."""
+    try:
+        found = (folder / name).resolve()
+    except (OSError, RuntimeError) as error:  # a loop of links: RuntimeError before Python 3.13
+        _refuse(folder, f"its {name} cannot be followed ({first_line(error)})")
+    if folder.resolve() not in found.parents:
+        _refuse(folder, f"{name} leads outside its folder")
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(mode := found.stat().st_mode):
+            _refuse(folder, f"its {name} is {kind(mode)}, not a regular file")
+    return folder / name
 
 
 def _refuse(folder: Path, reason: str) -> None:
@@ -267,15 +299,25 @@ def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    """The folder's `.metadata`, rebuilt by the restricted unpickler, and refused unless each file it
+    names for the shards is a file of the folder (_inside)."""
+    folder = path.parent
     try:
-        with open(path, "rb") as file:
-            metadata = _MetadataUnpickler(file, path.parent).load()
+        with open_regular(_inside(folder, path.name)) as file:
+            metadata = _MetadataUnpickler(file, folder).load()
     except CheckpointError:
         raise
     except Exception as error:  # whatever a damaged pickle raises
-        _refuse(path.parent, f"its {METADATA} is unreadable ({type(error).__name__})")
+        _refuse(folder, f"its {METADATA} is unreadable ({type(error).__name__})")
     if not isinstance(metadata, dcp_metadata.Metadata):
-        _refuse(path.parent, f"its {METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
+        _refuse(folder, f"its {METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
+    storage = getattr(metadata, "storage_data", None)
+    entries = storage.values() if isinstance(storage, dict) else [None]
+    names = [getattr(entry, "relative_path", None) for entry in entries]
+    if not all(isinstance(name, str) for name in names):
+        _refuse(folder, f"its {METADATA} does not name a file for each of its shards")
+    for name in sorted(set(names)):
+        _inside(folder, name)
     return metadata
 
 
@@ -340,7 +382,12 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler."""
+    """DCP's file reader, with the metadata read by the restricted unpickler, and the shards opened
+    as open_regular opens a file: one made a FIFO since read_metadata looked is refused, not waited on."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.fs = _RegularFiles()
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
@@ -349,6 +396,13 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _RegularFiles(FileSystem):
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        with open_regular(Path(path)) as stream:
+            yield stream
 
 
 class SafePlanner(DefaultLoadPlanner):

@@ -1,0 +1,108 @@
+"""A checkpoint is data from anywhere: a sharded one whose `.metadata` (or a link in it) names a file
+outside its folder, and a FIFO where a checkpoint or one of its files should be, are refused in one
+line before anything is read, with checkpoint.verify on or off. A run that waited on a FIFO would be
+killed by the subprocess timeout, failing its test instead of hanging the suite."""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_distributed import CPU
+from test_sharded import reseal
+
+from {{cookiecutter.package}} import train as recipe
+from {{cookiecutter.package}}.checkpoint import sharded
+from {{cookiecutter.package}}.checkpoint.schema import STATE
+from {{cookiecutter.package}}.errors import CheckpointError
+from {{cookiecutter.package}}.exporting import export
+from {{cookiecutter.package}}.saved_model import CHOICES
+
+QUIET = "mlflow.enabled=false"
+SHARD = "__0_0.distcp"  # the one shard file of a group of one process
+
+
+@pytest.fixture
+def folder(make_cfg, checkpoint_dir) -> Path:
+    """A sharded checkpoint of the configured model, written by strategy=fsdp in this process."""
+    recipe.train(make_cfg(QUIET, "strategy=fsdp", "trainer.max_steps=5", "checkpoint.every_n_steps=5"))
+    return checkpoint_dir / "step_00000005"
+
+
+def refused(folder: Path, reason: str) -> str:
+    return f"{folder} was refused: {reason}; load only checkpoints this project wrote"
+
+
+def ended(project: Path, script: str, *overrides: str) -> subprocess.CompletedProcess:
+    """`python <script> ...` in `project`, killed if it has not ended in 3 minutes (a busy machine's
+    start-up); one that waits on a FIFO would wait forever."""
+    command = [sys.executable, script, *CPU, *overrides]
+    return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("verify", ["true", "false"])
+@pytest.mark.parametrize("entry", ["resume", "init.checkpoint", "export.py"])
+def test_a_metadata_naming_a_file_outside_its_folder_is_refused_before_any_read(
+    make_cfg, folder, tmp_path, entry, verify
+):
+    """The file outside holds shards that would load (a copy): only the refusal keeps them out."""
+    outside = tmp_path / "elsewhere" / SHARD
+    outside.parent.mkdir()
+    shutil.copy(folder / SHARD, outside)
+    metadata = sharded.read_metadata(folder / sharded.METADATA)
+    for stored in metadata.storage_data.values():
+        stored.relative_path = f"../../elsewhere/{SHARD}"
+    (folder / sharded.METADATA).write_bytes(pickle.dumps(metadata))
+    reseal(folder, sharded.METADATA)  # as whoever crafted it would: the seal is no signature
+
+    checked = f"checkpoint.verify={verify}"
+    with pytest.raises(CheckpointError) as error:
+        if entry == "export.py":
+            export(make_cfg(checked), str(folder), tmp_path / "out.safetensors", "fp32")
+        elif entry == "resume":
+            recipe.train(make_cfg(QUIET, checked, f"resume={folder}", "strategy=fsdp", "trainer.max_steps=10"))
+        else:  # a fine-tune, into a home of its own
+            recipe.train(make_cfg(QUIET, checked, f"init.checkpoint={folder}", f"checkpoint.dir={tmp_path}/new"))
+    assert str(error.value) == refused(folder, f"../../elsewhere/{SHARD} leads outside its folder")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_shard_that_is_a_link_to_a_file_outside_is_refused(make_cfg, folder, tmp_path):
+    outside = tmp_path / SHARD
+    (folder / SHARD).rename(outside)
+    (folder / SHARD).symlink_to(outside)
+    with pytest.raises(CheckpointError) as error:
+        export(make_cfg("checkpoint.verify=false"), str(folder), tmp_path / "out.safetensors", "fp32")
+    assert str(error.value) == refused(folder, f"{SHARD} leads outside its folder")
+
+
+@pytest.mark.parametrize(
+    ("script", "setting", "instead"),
+    [
+        ("run.py", "resume", "resume=last, resume=auto"),
+        ("run.py", "init.checkpoint", "the name of a run with checkpoints"),
+        ("eval.py", "checkpoint", CHOICES),
+        ("export.py", "checkpoint", CHOICES),
+    ],
+)
+def test_a_fifo_named_for_a_checkpoint_is_refused_in_one_line_at_once(project, script, setting, instead):
+    fifo = project / "fifo"
+    os.mkfifo(fifo)
+    result = ended(project, script, f"{setting}={fifo}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"error: {setting}={fifo}: {fifo} is a FIFO, not a checkpoint file or folder; pass {instead} or a "
+        f"checkpoint's path"
+    )
+
+
+@pytest.mark.parametrize("name", [STATE, sharded.METADATA, SHARD])
+def test_a_fifo_inside_a_sharded_checkpoint_is_refused_in_one_line_at_once(project, folder, name):
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    result = ended(project, "export.py", f"checkpoint={folder}", "checkpoint.verify=false")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"error: {refused(folder, f'its {name} is a FIFO, not a regular file')}"
