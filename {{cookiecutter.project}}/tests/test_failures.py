@@ -210,7 +210,7 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
     assert str(raised.value) == (
         f"could not write {checkpoint_dir / 'step_00000015.pt'} (No space left on device), so step 15 is not "
         f"saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}; free space or fix the "
-        f"folder, then continue with resume=last"
+        f"folder, then continue from it with resume=last"
     )
     run_id = newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"
