@@ -3,8 +3,8 @@
 Serves demo/my-trainer's MLflow store and opens, in headless Chromium (Debian's `chromium`):
 - the demo run's metric charts (train/loss through the resume, checkpoint/loss at each save,
   resume/loss at the resume): docs/mlflow-resumed-run.png;
-- the demo's runs list, whose Dataset and Models columns show the data each run read and the
-  model it logged, the evaluation nested under its run: docs/mlflow-runs.png;
+- the project's runs list (one experiment), whose Dataset and Models columns show the data each
+  run read and the model it logged, the evaluation nested under its run: docs/mlflow-runs.png;
 - the demo run's best model, with the metrics of its step: docs/mlflow-best-model.png;
 - the compare view of the optimizer sweep's two jobs: docs/mlflow-sweep-compare.png.
 Run by `make screenshot`.
@@ -39,11 +39,13 @@ def free_port() -> int:
 def pages(store: str, base: str) -> dict[str, str]:
     """Each picture's name and the address of what it shows, from what `make demo` logged."""
     client = MlflowClient(tracking_uri=store)
-    demo, sweep = (client.get_experiment_by_name(name) for name in ("demo", "compare-optimizers"))
-    if demo is None or sweep is None:
-        sys.exit(f"error: no demo or compare-optimizers experiment in {store}; run `make demo`")
-    resumed = client.search_runs([demo.experiment_id], "metrics.`resume/loss` > 0")
-    runs = client.search_runs([sweep.experiment_id])
+    demo = client.get_experiment_by_name(PROJECT.name)  # the project's experiment: all of its runs
+    if demo is None:
+        sys.exit(f"error: no {PROJECT.name} experiment in {store}; run `make demo`")
+    resumed = client.search_runs(
+        [demo.experiment_id], "params.name = 'demo' and metrics.`resume/loss` > 0"
+    )
+    runs = client.search_runs([demo.experiment_id], "params.name = 'compare-optimizers'")
     jobs = [run.info.run_id for run in runs if "mlflow.parentRunId" in run.data.tags]
     if not resumed or len(jobs) != 2:
         sys.exit(f"error: no resumed run or no two sweep jobs in {store}; run `make demo` first")
@@ -62,7 +64,7 @@ def pages(store: str, base: str) -> dict[str, str]:
         "mlflow-runs.png": f"{experiment}/runs?{TRAINING}",
         "mlflow-best-model.png": f"{experiment}/models/{models[0].model_id}?{TRAINING}",
         "mlflow-sweep-compare.png": (
-            f"{base}/#/compare-runs?runs={json.dumps(jobs)}&experiments={json.dumps([sweep.experiment_id])}"
+            f"{base}/#/compare-runs?runs={json.dumps(jobs)}&experiments={json.dumps([demo.experiment_id])}"
         ),
     }
 

@@ -15,7 +15,8 @@ Bake = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def bake(tmp_path_factory: pytest.TempPathFactory) -> Bake:
-    """Return bake(output_dir, **answers), which bakes without prompting and returns the project.
+    """Return bake(output_dir, [template,] **answers), which bakes this checkout (or `template`)
+    without prompting and returns the project.
 
     Cookiecutter records every bake's answers in a replay folder under the home directory;
     a config file pointing that folder at a temporary one keeps the tests off the user's home.
@@ -28,9 +29,9 @@ def bake(tmp_path_factory: pytest.TempPathFactory) -> Bake:
         )
     )
 
-    def _bake(output_dir: Path, **answers: Any) -> Path:
+    def _bake(output_dir: Path, template: Path = TEMPLATE, **answers: Any) -> Path:
         project = cookiecutter(
-            str(TEMPLATE),
+            str(template),
             no_input=True,
             output_dir=str(output_dir),
             extra_context=answers,

@@ -2,8 +2,10 @@
 
 import ast
 import itertools
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -124,7 +126,8 @@ def test_config_defaults_list_picks_the_chosen_device(baked: tuple[Path, str, bo
 def test_ipex_is_mentioned_only_when_asked_for(baked: tuple[Path, str, bool]) -> None:
     project, _, ipex = baked
     if not ipex:
-        assert grep(project, re.compile("ipex", re.IGNORECASE)) == []
+        # .cruft.json records every answer, this one too (`"ipex": false`), for cruft update.
+        assert grep(project, re.compile("ipex", re.IGNORECASE), exclude=Path(".cruft.json")) == []
         return
     assert (project / "src" / DEFAULT_PACKAGE / "ipex.py").is_file()
     pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
@@ -243,3 +246,57 @@ def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
         "tests/test_tracking.py::test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback"
         in slow
     )
+
+
+def template_version(project: Path) -> str:
+    """What the baked project's runs tag as `template.version` (its origin.py, as the MLflow
+    sender calls it from the folder a run starts in)."""
+    code = f"from {DEFAULT_PACKAGE}.origin import template_version; print(template_version(Path()))"
+    found = subprocess.run(
+        [sys.executable, "-c", f"from pathlib import Path; {code}"],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return found.stdout.strip()
+
+
+def test_a_bake_records_the_template_and_its_commit_which_its_runs_tag(
+    bake: Bake, tmp_path: Path
+) -> None:
+    project = bake(tmp_path)
+    head = subprocess.run(
+        ["git", "-C", str(TEMPLATE.parent), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    assert (state["template"], state["commit"], state["checkout"]) == (
+        str(TEMPLATE.parent),
+        head,
+        None,
+    )
+    answers = state["context"]["cookiecutter"]
+    assert (answers["project"], answers["package"], answers["_template"]) == (
+        "my-trainer",
+        DEFAULT_PACKAGE,
+        str(TEMPLATE.parent),
+    )
+    # Where this bake ran: cookiecutter sets them again when cruft bakes the update.
+    assert "_output_dir" not in answers and "_repo_dir" not in answers
+    assert template_version(project) == head
+
+
+def test_a_template_that_is_no_git_checkout_bakes_with_a_null_commit(
+    bake: Bake, tmp_path: Path
+) -> None:
+    copy = tmp_path / "template"
+    shutil.copytree(
+        TEMPLATE.parent, copy, ignore=shutil.ignore_patterns(".git", ".venv", "demo", "*_cache")
+    )
+    project = bake(tmp_path / "out", template=copy)
+    assert json.loads((project / ".cruft.json").read_text(encoding="utf-8"))["commit"] is None
+    assert template_version(project) == "unknown"

@@ -1,6 +1,7 @@
-"""`python eval.py name=<run> checkpoint=best|last|<run name or path> [the run's overrides]`: the
-checkpoint's model judged on the validation (and test) split, logged to an MLflow run nested under
-the run that trained it. Give the config the run was trained with: it builds the model."""
+"""`python eval.py name=<run> checkpoint=best|last|<run name or path> [overrides]`: the checkpoint's
+model judged on the validation (and test) split, logged to an MLflow run nested under the run that
+trained it. The model and the data are the run's own, from its checkpoint; overrides change how they
+are judged (data.batch_size=..., device=...)."""
 
 import atexit
 import gc

@@ -1,7 +1,6 @@
 """`python export.py name=<run> checkpoint=best|last|<run name or path> out=model.safetensors
-dtype=fp32|bf16|fp16 [the run's overrides]`: the checkpoint's model weights as one safetensors file,
-with a sidecar (model.json) that says how to build the model they fit. Give the config the run was
-trained with: it builds the model."""
+dtype=fp32|bf16|fp16`: the checkpoint's model weights as one safetensors file, with a sidecar
+(model.json) that says how to build the model they fit: the run's own, from its checkpoint."""
 
 import sys
 

@@ -37,7 +37,8 @@ def samples_per_s(launch: list[str], settings: list[str], store: Path, name: str
     command.append(f"checkpoint.dir={store / name}")
     subprocess.run(command, cwd=PROJECT, check=True, capture_output=True)
     client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    everywhere = [experiment.experiment_id for experiment in client.search_experiments()]
+    (run,) = client.search_runs(everywhere, f"params.name = '{name}'")
     windows = [metric.value for metric in client.get_metric_history(run.info.run_id, "train/samples_per_s")]
     return statistics.median(windows[len(windows) // 4 :])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
+from mlflow.entities import Run
 from omegaconf import DictConfig
 
 from {{cookiecutter.package}} import train as recipe
@@ -101,6 +102,14 @@ def sigterm_at(monkeypatch):
         monkeypatch.setattr(recipe, "train_step", step_then_signal)
 
     return arm
+
+
+def runs_named(client: MlflowClient, name: str, filter_string: str = "") -> list[Run]:
+    """The MLflow runs of `name=` (the param `name`: training runs, sweep jobs, evaluations), newest
+    first, in every experiment of the store: the project's, and any of the older grouping by name."""
+    experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+    found = " and ".join(filter(None, [f"params.name = '{name}'", filter_string]))
+    return client.search_runs(experiments, found) if experiments else []
 
 
 def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[int, list[float]]:

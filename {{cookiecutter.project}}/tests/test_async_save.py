@@ -36,6 +36,38 @@ def test_a_snapshot_is_a_copy_that_training_cannot_change_in_buffers_reused_at_e
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr(), "no allocation after the first save"
 
 
+def test_every_background_save_of_a_run_copies_into_the_same_buffers_and_resumes_exactly(
+    make_cfg, checkpoint_dir, tmp_path, monkeypatch
+):
+    real_take, taken = Snapshot.take, []
+
+    def take(snapshot: Snapshot, state: dict) -> dict:
+        copied = real_take(snapshot, state)
+        taken.append(copied)  # held: a buffer freed and allocated again could come back at the same address
+        return copied
+
+    monkeypatch.setattr(Snapshot, "take", take)
+    recipe.train(make_cfg(QUIET, *EVERY_5))
+    storages = [{name: tensor.untyped_storage().data_ptr() for name, tensor in tensors(copied)} for copied in taken]
+    assert len(storages) == 3 and storages[0], "saves at steps 5, 10 and 15"
+    assert storages[1] == storages[0] and storages[2] == storages[0]
+    monkeypatch.undo()
+    recipe.train(make_cfg(QUIET, *EVERY_5, f"resume={path_of(checkpoint_dir, 10)}"))
+    in_step = tmp_path / "in-step"
+    recipe.train(make_cfg(QUIET, *EVERY_5, "checkpoint.async_save=false", f"checkpoint.dir={in_step}"))
+    resumed, unbroken = (load(path_of(home, 15)).state for home in (checkpoint_dir, in_step))
+    for part in ("model", "optimizer", "rng", "position", "probe", "step"):
+        assert_same(resumed[part], unbroken[part])
+
+
+def tensors(value, name: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a nested state, by their path in it."""
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else []
+    return [found for key, item in items for found in tensors(item, f"{name}/{key}")]
+
+
 def test_a_writer_runs_one_write_at_a_time_and_hands_back_its_file_or_its_error(tmp_path):
     writer = Writer()
     try:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import losses, run_cli, start, wait_for_a_save
+from conftest import losses, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
@@ -34,13 +34,13 @@ def test_the_default_demo_trains_and_logs_to_the_project_store(project):
     assert (project / "mlflow.db").exists()
     assert (project / "checkpoints" / "demo" / "step_00000300.pt").exists()
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (run,) = runs_named(client, "demo")
     assert run.info.status == "FINISHED"
     assert run.data.params["optimizer"] == "AdamW" and run.data.params["optimizer.lr"] == "0.003"
     assert run.data.tags["device"] == "cpu"
     assert sorted(losses(client, run.info.run_id)) == list(range(10, 301, 10))
     assert run.data.metrics["val/accuracy"] > 0.9
-    assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml", "provenance"]
 
 
 def test_the_progress_display_stays_quiet_without_a_terminal_and_shows_with_one(project):
@@ -164,7 +164,7 @@ def test_kill_9_at_random_moments_always_resumes_and_reproduces_the_unbroken_run
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     reference = run_cli(project, *settings, "name=reference")
     assert reference.returncode == 0, reference.stderr
-    (reference_run,) = client.search_runs([client.get_experiment_by_name("reference").experiment_id])
+    (reference_run,) = runs_named(client, "reference")
     expected = {step: values[-1] for step, values in losses(client, reference_run.info.run_id).items()}
 
     home, rng = project / "checkpoints" / "demo", random.Random(0)

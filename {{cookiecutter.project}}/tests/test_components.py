@@ -3,6 +3,7 @@ anything is built, and a build passes a constructor only the run-time values it 
 
 import pytest
 import torch
+from conftest import runs_named
 from omegaconf import open_dict
 
 from {{cookiecutter.package}} import components, strategies
@@ -216,8 +217,7 @@ def test_a_part_that_does_not_fit_the_others_stops_the_run_before_its_first_step
     with pytest.raises(RunError, match=f"^{part} {shapes}"):
         recipe.train(cfg)
     assert not list(checkpoint_dir.glob("step_*"))
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment_name)  # the store is the session's
-    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+    assert runs_named(client, "miswired") == []  # the store is the session's
 
 
 def test_a_metric_that_is_not_one_number_stops_the_run_before_its_first_step(make_cfg, checkpoint_dir, monkeypatch):

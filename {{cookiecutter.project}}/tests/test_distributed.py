@@ -16,7 +16,7 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import losses, run_cli, signal_pending, wait_for_a_save, wait_for_exit
+from conftest import losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}} import distributed, train
@@ -139,7 +139,7 @@ def store(project: Path) -> MlflowClient:
 
 
 def only_run(client: MlflowClient, name: str):
-    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    (run,) = runs_named(client, name)
     return run
 
 
@@ -515,6 +515,6 @@ def test_a_sweep_job_of_two_submitit_tasks_trains_as_one_ddp_run(project):
     (job,) = (project / "multirun").glob("*/*/0")
     assert '"status": "FINISHED"' in (job / "job_result.json").read_text()
     client = store(project)
-    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], "tags.world_size = '2'")
+    runs = runs_named(client, "demo", "tags.world_size = '2'")
     (run,) = runs
     assert run.info.status == "FINISHED" and sorted(losses(client, run.info.run_id)) == list(range(10, 21, 10))

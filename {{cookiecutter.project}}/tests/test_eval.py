@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from conftest import losses, run_cli, start
+from conftest import losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
 from test_tracking import inputs_of
 
@@ -92,8 +92,8 @@ def test_a_test_split_is_judged_beside_validation(make_cfg, client, tmp_path):
         (None, "best", r"checkpoint=best: .* holds no checkpoint of demo; train it first \(python run.py name=demo\)"),
         (["checkpoint.keep_best=false"], "best", r"names no best checkpoint .*; pass checkpoint=last"),
         ([], "no/such.pt", r"checkpoint=no/such.pt: no such file or folder; pass checkpoint=best, checkpoint=last or"),
-        (["model=cnn"], "last", r"was trained with model._target_=.*CNN, which this config does not give; add those"),
-        (["data.test_fraction=0.1"], "last", r"was trained with data.test_fraction=0.1, which this config does not"),
+        (["model=cnn"], "last", r"was trained with model._target_=.*CNN, .*and this command asks for model._target_="),
+        (["data.test_fraction=0.1"], "last", r"test_fraction=0.1, and this command asks for data.test_fraction=0.0"),
     ],
 )
 def test_what_names_no_checkpoint_or_another_model_is_one_line(make_cfg, checkpoint_dir, tmp_path, first, asked, said):
@@ -132,8 +132,8 @@ def test_eval_py_judges_the_best_while_the_run_trains_and_after_a_kill_and_a_res
 
 
 def runs_of(client, name: str) -> tuple:
-    """The training run of experiment `name`, and the evaluations nested under it."""
-    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    """The training run of `name`, and the evaluations nested under it."""
+    runs = runs_named(client, name)
     (trained,) = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
     return trained, [run for run in runs if "mlflow.parentRunId" in run.data.tags]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import losses, run_cli
+from conftest import losses, run_cli, runs_named
 from mlflow import MlflowClient
 from test_distributed import CPU, finished, torchrun
 from torch import nn
@@ -130,7 +130,7 @@ def test_a_source_of_another_model_is_refused_naming_every_mismatch_and_nothing_
         "init.checkpoint names a checkpoint of another model"
     )
     assert newest_valid(homes / "ft-wrong-source") is None
-    assert client.get_experiment_by_name("ft-wrong-source") is None
+    assert runs_named(client, "ft-wrong-source") == []
 
 
 @pytest.mark.parametrize(
@@ -299,7 +299,5 @@ def test_a_sweep_of_fine_tunes_finds_its_source_by_its_run_name(project):
     result = run_cli(project, *sweep, timeout=600)
     assert result.returncode == 0, result.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    jobs = client.search_runs(
-        [client.get_experiment_by_name("ft").experiment_id], "tags.`init.source_run_name` = 'base'"
-    )
+    jobs = runs_named(client, "ft", "tags.`init.source_run_name` = 'base'")
     assert len(jobs) == 2 and all(job.info.status == "FINISHED" for job in jobs)

@@ -8,7 +8,7 @@ import os
 import mlflow
 import pytest
 import torch
-from conftest import losses, run_cli, start
+from conftest import losses, run_cli, runs_named, start
 from mlflow.entities import LoggedModelStatus
 from test_distributed import CPU, store
 from test_export import val_loss
@@ -74,7 +74,7 @@ def test_a_run_stopped_to_come_back_logs_its_models_when_it_ends(make_cfg, clien
     settings = ["name=come-back", "mlflow.log_models=best"]
     with pytest.raises(Stopped):
         recipe.train(make_cfg(*settings))
-    (run,) = client.search_runs([client.get_experiment_by_name("come-back").experiment_id])
+    (run,) = runs_named(client, "come-back")
     assert models_of(client, run.info.run_id) == {}
     monkeypatch.undo()
     resumed = recipe.train(make_cfg(*settings, "resume=last"))
@@ -90,7 +90,7 @@ def test_a_sharded_checkpoint_is_logged_as_one_model(project):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5", "mlflow.log_models=best")
     assert trained.returncode == 0, trained.stderr
     client = store(project)
-    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (run,) = runs_named(client, "demo")
     (model,) = models_of(client, run.info.run_id).values()
     logged = {step: values[-1] for step, values in losses(client, run.info.run_id, "val/loss").items()}
     step = next(metric.step for metric in model.metrics if metric.key == "val/loss")
@@ -124,7 +124,7 @@ def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_
     assert run.returncode == 0, stderr
     assert "the best model was not logged to MLflow" in stdout + stderr
     client = store(project)
-    (logged,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (logged,) = runs_named(client, "demo")
     assert logged.info.status == "FINISHED" and "val/loss" in logged.data.metrics
     (failed,) = models_of(client, logged.info.run_id).values()  # MLflow lists the attempt as failed
     assert failed.status == LoggedModelStatus.FAILED

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import losses
+from conftest import losses, runs_named
 from mlflow import MlflowClient
 
 # Samples around four centres. The training set draws fresh noise each time a sample is read, as
@@ -106,7 +106,7 @@ def run(own, *overrides: str) -> subprocess.CompletedProcess:
 
 def only_run(project, name: str):
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    (found,) = runs_named(client, name)
     return client, found
 
 

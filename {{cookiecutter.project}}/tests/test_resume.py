@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from conftest import losses
+from conftest import losses, runs_named
 from torch.utils.data import TensorDataset
 
 from {{cookiecutter.package}} import train as recipe
@@ -186,7 +186,7 @@ def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
     assert str(raised.value) == refusal.format(path=checkpoint_dir / "step_00000020.pt", name="t6y")
     assert {path.name: path.read_bytes() for path in checkpoint_dir.iterdir() if path.name != "run.lock"} == files
     assert mlflow_record(client, other["run_id"]) == record
-    assert client.get_experiment_by_name("ft") is None and client.get_experiment_by_name("t6y") is None
+    assert runs_named(client, "ft") == runs_named(client, "t6y") == []
 
 
 def test_a_resume_that_changes_the_global_batch_says_so_with_the_settings_that_keep_it(make_cfg, client, caplog):

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import losses, run_cli, start
+from conftest import losses, run_cli, runs_named, start
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.checkpoint.resume import newest_valid
@@ -69,11 +69,11 @@ def test_a_run_logs_to_a_real_server_over_http(project, server):
     )
     assert result.returncode == 0, result.stderr
     client = MlflowClient(server.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (run,) = runs_named(client, "demo")
     assert run.info.status == "FINISHED"
     assert run.data.params["optimizer.lr"] == "0.003" and run.data.tags["device"] == "cpu"
     assert sorted(losses(client, run.info.run_id)) == [5, 10, 15, 20, 25, 30]
-    assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml", "provenance"]
 
 
 def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_metrics_and_ends_it(

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import losses, start
+from conftest import losses, runs_named, start
 from mlflow import MlflowClient
 from slurm_cluster import Cluster, unavailable
 
@@ -70,7 +70,7 @@ def check_came_back(project: Path, slurm: Cluster, job: str, sweep: subprocess.P
     assert resumed and int(resumed[1]) >= 20, logs
     assert "| FINISHED " in stdout + stderr and "| ok " in stdout + stderr  # the summary: status, continuity
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], "tags.resumes = '1'")
+    runs = runs_named(client, "demo", "tags.resumes = '1'")
     (run,) = [run for run in runs if "mlflow.parentRunId" in run.data.tags]
     assert run.info.status == "FINISHED"
     assert {step: len(values) for step, values in losses(client, run.info.run_id).items()} == {

@@ -10,16 +10,17 @@ import yaml
 from conftest import copy_project, run_cli, start
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job, summary_table
+from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job, named, summary_table
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["trainer.max_steps=200", "checkpoint.every_n_steps=20"]
 SWEEP = ["-m", "optimizer=adamw,sgd", "optimizer.lr=1e-3,3e-3", *COMMON]
-# A job is named, and keeps its checkpoints, by its sorted overrides, as Hydra's override_dirname;
-# jobs are launched in this order.
+# A job is named, and keeps its checkpoints, by its sorted overrides, less those that continue a job
+# (trainer.max_steps, checkpoint.every_n_steps, ...); jobs are launched in this order.
 LAUNCHED = [
-    ",".join(sorted([*COMMON, f"optimizer.lr={lr}", f"optimizer={name}"]))
+    ",".join(sorted([f"optimizer.lr={lr}", f"optimizer={name}"]))
     for name in ("adamw", "sgd")
     for lr in ("0.001", "0.003")
 ]
@@ -27,18 +28,18 @@ JOBS = sorted(LAUNCHED)
 OPTIMIZERS = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}
 
 
-def sweep_runs(project, experiment: str = "demo") -> tuple:
-    """The sweep's parent run and its children, by job name."""
+def sweep_runs(project) -> tuple:
+    """The project's one sweep parent run and its children, by job name."""
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
     (parent,) = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
     children = {run.info.run_name: run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     return client, parent, children
 
 
-def check_sweep(project, result, experiment: str = "demo") -> dict:
+def check_sweep(project, result) -> dict:
     assert result.returncode == 0, result.stderr
-    client, parent, children = sweep_runs(project, experiment)
+    client, parent, children = sweep_runs(project)
     assert sorted(children) == JOBS
     assert parent.info.status == "FINISHED"
     for name, child in children.items():
@@ -96,17 +97,17 @@ def test_a_failing_job_fails_alone_and_the_sweep_says_which(project):
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert "error: trainer.grad_accum_steps=0 must be at least 1" in output
-    assert "1 of 2 jobs failed: trainer.grad_accum_steps=0,trainer.max_steps=10" in output
+    assert "1 of 2 jobs failed: trainer.grad_accum_steps=0" in output
     client, parent, children = sweep_runs(project)
     assert parent.info.status == "FAILED"
     # The job after the failure runs in a run of its own, under the same parent.
-    assert list(children) == ["trainer.grad_accum_steps=1,trainer.max_steps=10"]
-    assert children["trainer.grad_accum_steps=1,trainer.max_steps=10"].info.status == "FINISHED"
+    assert list(children) == ["trainer.grad_accum_steps=1"]
+    assert children["trainer.grad_accum_steps=1"].info.status == "FINISHED"
     best = min(children.values(), key=lambda child: child.data.metrics["val/loss"])
     assert parent.data.metrics["best/val/loss"] == best.data.metrics["val/loss"]
     assert (parent.data.tags["best.job"], parent.data.tags["best.run_id"]) == (best.info.run_name, best.info.run_id)
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
-    assert "| trainer.grad_accum_steps=0,trainer.max_steps=10 | FAILED " in table and "must be at least 1" in table
+    assert "| trainer.grad_accum_steps=0 | FAILED " in table and "must be at least 1" in table
 
 
 def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_same_losses(project, swept, save_gate):
@@ -121,28 +122,67 @@ def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_s
     gate.release()
     process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM
-    _, interrupted_parent, started = sweep_runs(project, "interrupted")
+    _, interrupted_parent, started = sweep_runs(project)
     assert interrupted_parent.info.status == "KILLED"
     assert sorted(started) == sorted(LAUNCHED[:2])
 
     rerun = run_cli(project, *SWEEP, "name=interrupted", "resume=auto", timeout=600)
     assert rerun.returncode == 0, rerun.stderr
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("interrupted").experiment_id], "tags.resumes = '1'")
-    assert sorted(run.info.run_id for run in runs) == sorted(run.info.run_id for run in started.values())
-    _, _, children = sweep_runs_latest(client, "interrupted")
+    client, parent, children = sweep_runs(project)  # the sweep's run continued, not a second one
+    assert parent.info.run_id == interrupted_parent.info.run_id and parent.info.status == "FINISHED"
+    resumed = [run.info.run_id for run in children.values() if run.data.tags.get("resumes") == "1"]
+    assert sorted(resumed) == sorted(run.info.run_id for run in started.values())
     assert sorted(children) == JOBS
     for job in JOBS:
         assert children[job].data.metrics["val/loss"] == reference[job].data.metrics["val/loss"], job
         assert children[job].data.metrics["train/loss"] == reference[job].data.metrics["train/loss"], job
 
 
-def sweep_runs_latest(client: MlflowClient, experiment: str) -> tuple:
-    """The newest sweep parent of `experiment` and its children, by job name."""
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id], order_by=["start_time DESC"])
-    parent = next(run for run in runs if "mlflow.parentRunId" not in run.data.tags)
-    children = {run.info.run_name: run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    return client, parent, children
+def test_a_finished_sweep_run_again_with_more_steps_continues_each_job_in_its_own_run(project):
+    sweep = ["-m", "optimizer.lr=1e-3,3e-3", "trainer.log_every_n_steps=1"]
+    first = run_cli(project, *sweep, "trainer.max_steps=30", timeout=600)
+    assert first.returncode == 0, first.stderr
+    _, first_parent, _ = sweep_runs(project)
+
+    more = run_cli(project, *sweep, "trainer.max_steps=50", "resume=auto", timeout=600)
+    assert more.returncode == 0, more.stderr
+    client, parent, children = sweep_runs(project)  # one parent, and two children, not four
+    assert len(client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])) == 3
+    assert parent.info.run_id == first_parent.info.run_id and parent.info.status == "FINISHED"
+    assert sorted(children) == ["optimizer.lr=0.001", "optimizer.lr=0.003"]
+    assert sorted(path.name for path in (project / "checkpoints" / "demo").iterdir()) == sorted(children)
+    table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
+    for name, child in children.items():
+        assert [metric.step for metric in client.get_metric_history(child.info.run_id, "train/loss")] == list(
+            range(1, 51)
+        )
+        assert child.data.tags["resumes"] == "1" and child.data.tags["resume.1.trainer.max_steps"] == "50"
+        assert f"| {name} | FINISHED | {child.data.metrics['train/loss']:.4f} " in table  # the summary at step 50
+
+
+def test_a_job_is_named_by_what_it_trains_unless_the_sweep_sweeps_a_setting_that_continues_it():
+    continuing = frozenset({"trainer.max_steps", "resume"})
+    overrides = ["trainer.max_steps=50", "optimizer=sgd", "resume=auto", "model/head=linear"]
+    assert named(overrides, continuing) == "model_head=linear,optimizer=sgd"
+    # `-m trainer.max_steps=100,200` compares lengths: its jobs are two, named by it.
+    swept = continuing - {"trainer.max_steps"}
+    assert named(overrides, swept) == "model_head=linear,optimizer=sgd,trainer.max_steps=50"
+
+
+def test_a_job_continued_from_a_folder_named_before_max_steps_left_its_name_continues_there(tmp_path):
+    job = Job("optimizer.lr=0.001", None, tmp_path, frozenset({"trainer.max_steps", "checkpoint.every_n_steps"}))
+    root = tmp_path / "checkpoints"
+    old = root / "checkpoint.every_n_steps=10,optimizer.lr=0.001,trainer.max_steps=30"
+    for folder in (old, root / "optimizer.lr=0.003,trainer.max_steps=30"):
+        folder.mkdir(parents=True)
+        (folder / "step_00000030.pt").touch()
+    assert job._home(root, "auto") == old
+    assert job._home(root, None) == root / "optimizer.lr=0.001"  # a fresh job starts in its own folder
+    second = root / "optimizer.lr=0.001,trainer.max_steps=40"
+    second.mkdir()
+    (second / "step_00000040.pt").touch()
+    with pytest.raises(RunError, match=r"are in 2 folders named the old way: .*; rename the one to continue to "):
+        job._home(root, "auto")
 
 
 PAUSE_BEFORE_SECOND_JOB = """
@@ -175,9 +215,7 @@ def test_a_sweep_stopped_by_sigterm_between_jobs_ends_its_run_killed(project):
     assert "SIGTERM received between jobs: the sweep stops, its MLflow run ends KILLED" in stdout + stderr
     _, parent, children = sweep_runs(project)
     assert parent.info.status == "KILLED"
-    assert {name: child.info.status for name, child in children.items()} == {
-        "optimizer=adamw,trainer.max_steps=10": "FINISHED"
-    }
+    assert {name: child.info.status for name, child in children.items()} == {"optimizer=adamw": "FINISHED"}
 
 
 def test_a_sweep_with_a_tracking_uri_mlflow_cannot_open_stops_before_any_job_in_one_line(project):
@@ -219,7 +257,7 @@ def test_a_search_direction_that_disagrees_with_optimized_mode_stops_the_sweep_i
 def test_a_named_experiment_sweeps_what_its_file_says(project):
     result = run_cli(project, "-m", "experiment=compare_optimizers", "trainer.max_steps=10", timeout=600)
     assert result.returncode == 0, result.stderr
-    _, parent, children = sweep_runs(project, "compare-optimizers")
+    _, parent, children = sweep_runs(project)
     assert parent.info.status == "FINISHED"
     assert sorted(child.data.tags["optimizer._target_"] for child in children.values()) == sorted(OPTIMIZERS.values())
 

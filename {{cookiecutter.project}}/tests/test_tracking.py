@@ -20,7 +20,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import losses, run_cli, start, wait_for_a_save
+from conftest import losses, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -161,7 +161,7 @@ def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goe
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     summary = recipe.train(make_cfg("trainer.max_steps=10", f"mlflow.tracking_uri={store}"))
     assert summary["step"] == 10 and summary["run_id"] is None
-    (run,) = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("demo").experiment_id])
+    (run,) = runs_named(MlflowClient(store), "demo")
     assert run.info.status == "FAILED"
 
 
@@ -609,7 +609,7 @@ def test_a_moved_store_keeps_its_artifacts_and_new_runs_write_beside_it(make_cfg
         )
     )
     client, artifacts = MlflowClient(f"sqlite:///{after / 'mlflow.db'}"), (after / "mlruns").as_uri()
-    assert client.get_experiment_by_name("demo").artifact_location == artifacts
+    assert client.get_experiment(client.get_run(first["run_id"]).info.experiment_id).artifact_location == artifacts
     run_ids = (first["run_id"], second["run_id"])
     uris = {run_id: client.get_run(run_id).info.artifact_uri for run_id in run_ids}
     assert uris == {run_id: f"{artifacts}/{run_id}/artifacts" for run_id in run_ids}
@@ -765,14 +765,14 @@ def test_the_amp_settings_recorded_are_those_that_apply(make_cfg, amp, tag, dtyp
     assert params["amp.enabled"] == str(amp != "off")
 
 
-def test_a_run_is_named_after_its_experiment_and_its_overrides_and_keeps_the_name_on_resume(project):
+def test_a_run_is_named_after_its_name_and_its_overrides_and_keeps_the_name_on_resume(project):
     first = run_cli(project, "optimizer=sgd", "trainer.max_steps=10", "device=cpu")
     assert first.returncode == 0, first.stderr
     again = run_cli(project, "optimizer=sgd", "trainer.max_steps=20", "device=cpu", "resume=last")
     assert again.returncode == 0, again.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
-    assert run.info.run_name == "demo optimizer=sgd,trainer.max_steps=10"  # device is left out: it moves
+    (run,) = runs_named(client, "demo")
+    assert run.info.run_name == "demo optimizer=sgd"  # device and trainer.max_steps are left out: they move
     assert run.data.tags["resumes"] == "1" and "mlflow.run_name" not in run.data.params
     assert "changed settings: trainer.max_steps 10 -> 20, scheduler.total_steps 10 -> 20" in again.stdout + again.stderr
 
@@ -812,3 +812,107 @@ def test_the_data_is_logged_as_dataset_inputs_by_split_and_another_split_has_ano
     split = inputs_of(client, other["run_id"])
     assert split.keys() == {"training", "validation"}, "the test split is eval.py's alone"
     assert split["validation"][1] != logged["validation"][1]
+
+
+def git(repo: Path, *arguments: str) -> str:
+    identity = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    return subprocess.run(
+        ["git", "-C", str(repo), *identity, *arguments], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def provenance_of(client: MlflowClient, run_id: str, folder: Path) -> dict[str, str]:
+    """The run's `provenance/` artifacts, by path under it."""
+    found = Path(client.download_artifacts(run_id, "provenance", str(folder)))
+    return {str(path.relative_to(found)): path.read_text() for path in sorted(found.rglob("*")) if path.is_file()}
+
+
+def test_a_run_records_what_it_ran_from_the_diff_of_a_dirty_tree_and_none_of_a_clean_one(
+    make_cfg, client, tmp_path, monkeypatch
+):
+    repo = tmp_path / "project"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "model.py").write_text("width = 1\n")
+    (repo / ".gitignore").write_text("data.txt\n")
+    (repo / ".cruft.json").write_text(json.dumps({"template": "gh:o/t", "commit": "c0ffee", "checkout": None}))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "HEAD").strip()
+    (repo / "model.py").write_text("width = 2\n")  # tracked, changed
+    (repo / "layers.py").write_text("depth = 3\n")  # untracked source
+    (repo / "data.txt").write_text("ignored\n")
+    monkeypatch.chdir(repo)  # the folder a run starts in: the sender's too
+    real_run = subprocess.run
+
+    def trainer_runs_no_git(command, *arguments, **options):
+        assert command[0] != "git", "the sender runs git, not the trainer: nothing before step 1 waits on it"
+        return real_run(command, *arguments, **options)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(subprocess, "run", trainer_runs_no_git)
+        dirty = recipe.train(make_cfg("trainer.max_steps=10", f"checkpoint.dir={tmp_path / 'dirty'}"))["run_id"]
+    tags = client.get_run(dirty).data.tags
+    assert (tags["git.dirty"], tags["mlflow.source.git.commit"], tags["template.version"]) == ("true", head, "c0ffee")
+    files = provenance_of(client, dirty, tmp_path / "dirty-artifacts")
+    assert sorted(files) == ["git.diff", "requirements.txt"]
+    diff = files["git.diff"]
+    assert "-width = 1\n+width = 2\n" in diff and "+++ b/layers.py\n@@ -0,0 +1 @@\n+depth = 3\n" in diff
+    assert "data.txt" not in diff
+    (tmp_path / "git.diff").write_text(diff)
+    git(repo, "apply", "--check", "-R", str(tmp_path / "git.diff"))  # exactly the changes: undone, it leaves HEAD
+    installed = files["requirements.txt"].splitlines()
+    assert f"torch=={torch.__version__}" in installed and f"mlflow=={mlflow.__version__}" in installed
+
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "second")
+    settings = ["trainer.max_steps=10", f"checkpoint.dir={tmp_path / 'clean'}"]
+    clean = recipe.train(make_cfg(*settings))["run_id"]
+    assert client.get_run(clean).data.tags["git.dirty"] == "false"
+    (repo / "model.py").write_text("width = 3\n")
+    assert recipe.train(make_cfg(*settings, "trainer.max_steps=20", "resume=last"))["run_id"] == clean
+    tags = client.get_run(clean).data.tags
+    assert (tags["git.dirty"], tags["mlflow.source.git.commit"]) == ("true", git(repo, "rev-parse", "HEAD").strip())
+    files = provenance_of(client, clean, tmp_path / "clean-artifacts")
+    # Each leg's own: the first's stays as it was, with no diff.
+    assert sorted(files) == ["requirements.txt", "resume.1/git.diff", "resume.1/requirements.txt"]
+    assert "+width = 3\n" in files["resume.1/git.diff"]
+
+
+def test_a_run_outside_a_git_checkout_and_a_template_records_its_packages_and_an_unknown_template(
+    make_cfg, client, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    run_id = recipe.train(make_cfg("trainer.max_steps=10"))["run_id"]
+    tags = client.get_run(run_id).data.tags
+    assert tags["template.version"] == "unknown" and "git.dirty" not in tags and "mlflow.source.git.commit" not in tags
+    assert sorted(provenance_of(client, run_id, tmp_path / "artifacts")) == ["requirements.txt"]
+
+
+def test_runs_of_every_name_share_the_projects_experiment_each_named_by_its_name(make_cfg, client, tmp_path):
+    baseline = recipe.train(make_cfg("name=baseline", f"checkpoint.dir={tmp_path / 'baseline'}"))["run_id"]
+    tuned = recipe.train(make_cfg("name=tuned", "optimizer.lr=0.01", f"checkpoint.dir={tmp_path / 'tuned'}"))["run_id"]
+    runs = [client.get_run(run_id) for run_id in (baseline, tuned)]
+    assert [run.info.run_name for run in runs] == ["baseline", "tuned"]
+    (experiment,) = {run.info.experiment_id for run in runs}
+    assert client.get_experiment(experiment).name == make_cfg().mlflow.experiment_name == "{{ cookiecutter.project }}"
+    assert "mlflow.experiment_name" not in runs[0].data.params  # MLflow shows it; a resume may keep another
+
+
+def test_a_run_of_the_older_grouping_resumes_in_its_own_experiment_and_its_nested_runs_join_it(
+    make_cfg, client, tmp_path, capfd
+):
+    old = recipe.train(make_cfg("name=legacy", "mlflow.experiment_name=legacy", "trainer.max_steps=10"))["run_id"]
+    resumed = recipe.train(make_cfg("name=legacy", "trainer.max_steps=20", "resume=last"))
+    assert resumed["run_id"] == old
+    run = client.get_run(old)
+    assert client.get_experiment(run.info.experiment_id).name == "legacy" and "resume.1.mlflow.experiment_name" not in (
+        run.data.tags
+    )
+    assert sorted(losses(client, old)) == list(range(1, 21))
+    # An evaluation or a sweep job nests under its parent, in the parent's experiment, whatever its config says.
+    cfg = MlflowConfig(enabled=True, tracking_uri=client.tracking_uri, experiment_name="elsewhere", parent_run_id=old)
+    opener = mlflow_store.RunOpener(client, cfg)
+    opener.create({}, {}, "")
+    assert client.get_run(opener.run_id).info.experiment_id == run.info.experiment_id
+    assert client.get_experiment_by_name("elsewhere") is None

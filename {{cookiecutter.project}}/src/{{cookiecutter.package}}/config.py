@@ -134,7 +134,7 @@ class Config:
     metrics: Any = MISSING  # {name: component}, each logged as val/<name>
     optimizer: Any = MISSING
     scheduler: Any = MISSING
-    name: str = MISSING  # names the checkpoint home and the MLflow experiment
+    name: str = MISSING  # names the checkpoint home and the MLflow run
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
     optimized_metric: str = MISSING  # a sweep job's value; ranks checkpoints; early stopping watches it (monitor.py)
@@ -191,11 +191,7 @@ def launched_as_main() -> bool:
 def check_values(cfg: Config) -> None:
     """What types cannot say, checked before any work starts: unknown keys, ranges, closed
     choices, a safe name, and every component's settings. Every problem found is named, in one line."""
-    try:  # Hydra resolves `${...}` only when a value is read: a reference to nothing fails here, not mid-run
-        OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as error:
-        reason = str(error).splitlines()[0]
-        raise RunError(f"{error.full_key}: {reason}; fix the interpolation it holds") from None
+    check_resolved(cfg)
     problems = unknown_keys(cfg, Config) + components.problems(cfg)
     for key, rule, explained in RULES:
         value = OmegaConf.select(cfg, key)
@@ -221,6 +217,15 @@ def check_values(cfg: Config) -> None:
         )
     if problems:
         raise RunError("; ".join(problems))
+
+
+def check_resolved(cfg: DictConfig) -> None:
+    """Hydra resolves `${...}` only when a value is read: a reference to nothing fails here, not mid-run."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as error:
+        reason = str(error).splitlines()[0]
+        raise RunError(f"{error.full_key}: {reason}; fix the interpolation it holds") from None
 
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")

@@ -3,8 +3,10 @@ split when it gives one; the metrics printed, and logged to an MLflow run of the
 the run that trained the model, at the checkpoint's step. The training run's history, tags and
 files are not touched, nor its checkpoints (saved_model.py).
 
-The model is built as run.py builds it (the same config: groups, overrides, `name=`), placed,
-under any strategy and number of processes, and only then given the checkpoint's weights.
+The model, the data and the rest of the run's components are the checkpoint's own (the config it
+was saved with); the command line changes how they are judged (`data.batch_size`, `device`, the
+strategy and number of processes), and names the run (`name=`). The model is built as run.py builds
+it, placed, and only then given the checkpoint's weights.
 """
 
 import logging
@@ -21,7 +23,8 @@ from .distributed import World
 from .errors import reported
 from .evaluation import check_wiring, evaluate
 from .provenance import datasets, record
-from .saved_model import check_trained_alike, find
+from .remembered import CommandLine
+from .saved_model import check_trained_alike, find, settings
 from .tracking import Tracker, check_tracking_uri
 from .train import build
 
@@ -30,13 +33,16 @@ log = logging.getLogger(__name__)
 
 def main(cfg: Config, which: str, spill_dir: Path) -> dict:
     """The entry point of eval.py: a problem the user can fix prints as one line, no traceback."""
-    return reported(lambda: evaluate_checkpoint(cfg, which, spill_dir))
+    said = CommandLine.typed()
+    return reported(lambda: evaluate_checkpoint(cfg, which, spill_dir, said))
 
 
-def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path) -> dict:
+def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path, said: CommandLine | None = None) -> dict:
     """The metrics of the model `checkpoint=<which>` holds, with the step it was saved at and the
     id of the MLflow run that records them (None untracked). `spill_dir`: where metrics MLflow
-    could not take wait for `replay` (tracking.py)."""
+    could not take wait for `replay` (tracking.py). Built from the checkpoint's settings with what
+    the command line `said` changed; without `said`, from `cfg`."""
+    cfg = settings(cfg, which, said)
     check_values(cfg)
     with distributed.join(cfg) as world:
         set_cpu_threads(cfg.device)

@@ -26,7 +26,8 @@ from .config import Config, check_values
 from .data import build_data
 from .distributed import World, launcher_number
 from .errors import RunError, reported
-from .saved_model import check_trained_alike, find
+from .remembered import CommandLine
+from .saved_model import check_trained_alike, find, settings
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main(cfg: Config, which: str, out: str, dtype: str) -> Path:
     """The entry point of export.py: a problem the user can fix prints as one line, no traceback."""
-    return reported(lambda: export(cfg, which, Path(out), dtype))
+    said = CommandLine.typed()
+    return reported(lambda: export(cfg, which, Path(out), dtype, said))
 
 
-def export(cfg: Config, which: str, out: Path, dtype: str) -> Path:
+def export(cfg: Config, which: str, out: Path, dtype: str, said: CommandLine | None = None) -> Path:
     """Writes the weights of the model `checkpoint=<which>` holds to `out` (…safetensors), their
-    floating-point tensors in `dtype`, and its sidecar (….json); returns the sidecar's path."""
+    floating-point tensors in `dtype`, and its sidecar (….json); returns the sidecar's path. The
+    model is the checkpoint's own, with what the command line `said` changed; without `said`, `cfg`'s."""
+    cfg = settings(cfg, which, said)
     check_values(cfg)
     out, sidecar = paths(out)
     if dtype not in DTYPES:

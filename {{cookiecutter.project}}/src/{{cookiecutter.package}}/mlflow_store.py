@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 from .checkpoint.files import read_regular
 from .config import MlflowConfig
 from .errors import RunError, first_line
+from .origin import origin
 from .unsent import replay_command, spill, spill_path
 
 try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
@@ -102,7 +103,7 @@ class RunOpener:
         self.resumes = 0
 
     def create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
-        experiment = experiment_id(self.client, self.cfg)
+        experiment = self._parents_experiment() or experiment_id(self.client, self.cfg)
         run = self.client.create_run(experiment, run_name=self.cfg.run_name, tags={**tags, **self.parent_tags})
         self.run_id = run.info.run_id
         self._log_params(params)
@@ -147,6 +148,16 @@ class RunOpener:
         resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
         set_tags(self.client, run_id, {**tags, **self.parent_tags, **changed, **resume_tags})
 
+    def _parents_experiment(self) -> str | None:
+        """The experiment of the run this one nests under (a sweep's, or the run an evaluation
+        judges): MLflow shows a child under its parent only within one experiment, and a parent
+        started under another grouping (one experiment per `name`, before) stays where it is."""
+        try:
+            parent = self.client.get_run(self.cfg.parent_run_id) if self.cfg.parent_run_id else None
+        except MlflowException:  # not in this store: the run goes where the config says
+            return None
+        return parent.info.experiment_id if parent is not None and parent.info.lifecycle_stage == "active" else None
+
     def _log_params(self, params: dict[str, str]) -> None:
         items = [Param(key, value) for key, value in params.items()]
         for start in range(0, len(items), 100):  # MLflow takes at most 100 params per call
@@ -175,6 +186,22 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
             with contextlib.suppress(Exception):  # the store is failing already; said above
                 opener.client.set_terminated(opener.run_id, status="FAILED")
         return None
+
+
+def record_origin(client: MlflowClient, run_id: str, resumes: int) -> None:
+    """What the run ran from (origin.py), from the folder this process started in, the trainer's:
+    the tags `mlflow.source.git.commit`, `git.dirty` and `template.version`, and the artifacts
+    `provenance/requirements.txt` and, from a tree with uncommitted changes, `provenance/git.diff`.
+    A resume records its own beside them, under `provenance/resume.<n>/`, and its tags replace the
+    first's, as every tag of a resume does. A failure costs a warning: the run goes on."""
+    folder = "provenance" if resumes == 0 else f"provenance/resume.{resumes}"
+    try:
+        tags, files = origin(Path.cwd())
+        for name, text in files.items():
+            client.log_text(run_id, text, f"{folder}/{name}")
+        set_tags(client, run_id, tags)
+    except Exception as error:
+        log.warning(f"MLflow did not take what the run ran from, {folder}/ and its tags ({first_line(error)})")
 
 
 def log_datasets(client: MlflowClient, run_id: str, datasets: list[dict]) -> None:
@@ -516,6 +543,9 @@ def drain() -> None:
             )
             monitor.start()
         mlflow.set_tracking_uri(cfg.tracking_uri)  # where mlflow.pytorch.log_model writes (log_models)
+        # Now, with the run's id answered: git and the package list cost the trainer nothing, and the
+        # metrics that arrive meanwhile wait in `incoming`.
+        record_origin(opened.client, opened.run_id, opened.resumes)
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
         _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor).run()
     finally:

@@ -1,11 +1,11 @@
-"""What a run records about itself: every setting, where and how it really ran, what code ran.
-MLflow shows it (params, tags, the config artifact); a checkpoint keeps the config and versions."""
+"""What a run records about itself: every setting, where and how it really ran. MLflow shows it
+(params, tags, the config artifact); a checkpoint keeps the config and versions. What code it ran
+from (git, the template, the packages) the MLflow sender finds, off the trainer's path: origin.py."""
 
 import hashlib
 import json
 import platform
 import re
-import subprocess
 
 import numpy as np
 import torch
@@ -46,13 +46,13 @@ def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict
 {%- endif %}
     }
     tags.update(lineage)
-    if commit := git_commit():
-        tags["mlflow.source.git.commit"] = commit
     params = {
         **flat_params(cfg),
         "global_batch": str(global_batch(cfg, world.size)),
     }  # a resume on more processes changes it
     del params["mlflow.run_name"]  # the run's own name, and it may differ on resume
+    # MLflow shows the experiment itself; a run resumed under another grouping stays in its own.
+    del params["mlflow.experiment_name"]
     if not cfg.amp.enabled:  # a dtype beside the tag amp=off would read as a contradiction
         del params["amp.dtype"]
     # A setting left null (off, or the library's default) is absent rather than "None": the compare
@@ -115,15 +115,6 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
         else:
             flat[f"{prefix}{key}"] = str(value)
     return flat
-
-
-def git_commit() -> str | None:
-    """The commit of the project being run, when it is a git checkout: what exactly ran."""
-    try:
-        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return found.stdout.strip() if found.returncode == 0 else None
 
 
 def library_versions() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """A run's checkpoint used after training, by eval.py and export.py: the `checkpoint=` they take
-(best, last, a run's name or a path), found and checked as a resume's is; and the check that the
-config builds the model and the data the checkpoint was trained with.
+(best, last, a run's name or a path), found and checked as a resume's is; the config they build its
+model and data with, the checkpoint's own (remembered.py); and the check that what the command line
+changed of it leaves the model and the data the checkpoint was trained with.
 
 The run's home is read, never claimed: a run still training there goes on saving, and nothing in
 it is written, moved or set aside. A checkpoint is written whole before any name points at it, so
@@ -15,9 +16,11 @@ from .checkpoint.home import BEST, has_checkpoints
 from .checkpoint.resume import at, found_by_main, locate
 from .checkpoint.schema import Checkpoint
 from .components import RESERVED
+from .config import Config, check_resolved
 from .distributed import World
 from .errors import RunError, listed
 from .provenance import flatten
+from .remembered import CommandLine, trained
 
 CHOICES = "checkpoint=best, checkpoint=last"
 
@@ -35,26 +38,36 @@ def take(argv: list[str], **defaults: str) -> dict[str, str]:
     return taken
 
 
+def settings(cfg: Config, which: str, said: CommandLine | None) -> Config:
+    """The config that builds the model and the data of the checkpoint `checkpoint=<which>` names:
+    the run's own, with what the command line `said` changed (remembered.trained); without `said`, `cfg`."""
+    if said is None:
+        return cfg
+    check_resolved(cfg)  # the home is read before config.check_values, which checks what is merged
+    return trained(cfg, where(cfg, which), said)
+
+
 def find(cfg: DictConfig, world: World, which: str) -> Checkpoint:
     """The checkpoint `checkpoint=<which>` names, found and checked by rank 0 and read by every
-    process: `best` and `last` are the run's (`name=`), anything else a run's name or a path."""
+    process."""
+    return found_by_main(world, lambda: at(where(cfg, which), cfg.checkpoint.verify, f"checkpoint={which}", CHOICES))
+
+
+def where(cfg: DictConfig, which: str) -> Path:
+    """What `checkpoint=<which>` names: `best` and `last` are the run's (`name=`), anything else a
+    run's name or a path."""
     home, asked = Path(cfg.checkpoint.dir), f"checkpoint={which}"
-
-    def find_it() -> Checkpoint:
-        if which in ("best", "last") and not has_checkpoints(home):
-            raise RunError(
-                f"{asked}: {home} holds no checkpoint of {cfg.name}; train it first (python run.py name={cfg.name}), "
-                f"or pass checkpoint=<a checkpoint's path>"
-            )
-        if which == "best" and not (home / BEST).exists():
-            raise RunError(
-                f"{asked}: {home} names no best checkpoint (it was trained with checkpoint.keep_best=false); pass "
-                f"checkpoint=last or a checkpoint's path"
-            )
-        path = {"best": home / BEST, "last": home}.get(which) or locate(cfg, which)
-        return at(path, cfg.checkpoint.verify, asked, CHOICES)
-
-    return found_by_main(world, find_it)
+    if which in ("best", "last") and not has_checkpoints(home):
+        raise RunError(
+            f"{asked}: {home} holds no checkpoint of {cfg.name}; train it first (python run.py name={cfg.name}), "
+            f"or pass checkpoint=<a checkpoint's path>"
+        )
+    if which == "best" and not (home / BEST).exists():
+        raise RunError(
+            f"{asked}: {home} names no best checkpoint (it was trained with checkpoint.keep_best=false); pass "
+            f"checkpoint=last or a checkpoint's path"
+        )
+    return {"best": home / BEST, "last": home}.get(which) or locate(cfg, which)
 
 
 def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
@@ -62,7 +75,7 @@ def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
     weights of the same shapes load into a model of other settings (more attention heads), and
     another split of the data would judge samples the model trained on. A setting the checkpoint
     does not hold (added to the project since) is not compared."""
-    differ = []
+    differ, asked = [], []
     for group in ("model", "data"):
         now = flatten(OmegaConf.to_container(cfg[group], resolve=True), f"{group}.")
         before = flatten(saved.config.get(group) or {}, f"{group}.")
@@ -70,8 +83,10 @@ def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
             loader = group == "data" and key.removeprefix("data.") in RESERVED["data"]  # changes no sample
             if not loader and now[key] != before[key]:
                 differ.append(f"{key}={before[key]}")
+                asked.append(f"{key}={now[key]}")
     if differ:
         raise RunError(
-            f"{saved.path} was trained with {listed(differ)}, which this config does not give; add those "
-            f"overrides: the model and the data are built from the config"
+            f"{saved.path} was trained with {listed(differ)}, and this command asks for {listed(asked)}: another "
+            f"model, or other data, than the one to judge; leave those overrides out (the run's own come from its "
+            f"checkpoint)"
         )

@@ -7,8 +7,10 @@ process, in local worker processes, or on SLURM nodes. Each job also writes its 
 and the callback turns the results into a summary table at the end.
 
 A job fails alone: its error is recorded and the other jobs run. Each job's checkpoints live in
-`checkpoint.dir/<its overrides>`, so the same sweep run again with `resume=auto` continues every
-job that had started and starts the others.
+`checkpoint.dir/<its overrides>`, less the settings a continuation changes (configs/config.yaml lists
+them: trainer.max_steps, cadences, device, ...), so the same sweep run again with `resume=auto`, and
+a larger `trainer.max_steps` if it likes, continues every job that had started, in its own MLflow
+run, and starts the others; the sweep's own MLflow run takes the new summary.
 """
 
 import atexit
@@ -16,17 +18,20 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -38,10 +43,12 @@ from .tracking import check_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+    from mlflow.entities import Run
 
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = "mlflow_parent_run_id"
+SWEPT_FILE = "swept_keys.json"  # settings that continue a job, but that this sweep sweeps: they name its jobs
 RESULT_FILE = "job_result.json"
 # The table's columns; every val/<metric> the jobs report, then their throughput over the whole
 # job in the task's unit (train/mean_samples_per_s, train/mean_tokens_per_s), go between these two groups.
@@ -53,9 +60,10 @@ LAST_COLUMNS = ("continuity", "run_id", "error")
 class Job:
     """One job of a sweep, as the job sees itself."""
 
-    key: str  # its overrides, less those that do not change what it trains (resume, device, ...)
+    key: str  # its overrides, less those that a continuation changes (resume, trainer.max_steps, device, ...)
     parent_run_id: str | None
     output_dir: Path
+    continuing: frozenset[str] = frozenset()  # the settings left out of the key
 
     def run(self, train: Callable[[DictConfig], dict], cfg: DictConfig) -> float | None:
         """Trains in the job's own checkpoint folder and MLflow child run, records the result,
@@ -65,7 +73,7 @@ class Job:
             from .checkpoint.resume import locate  # torch: not in the launching process
 
             cfg.init.checkpoint = str(locate(cfg, cfg.init.checkpoint))
-        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / self.key)
+        cfg.checkpoint.dir = str(self._home(Path(cfg.checkpoint.dir), cfg.resume))
         cfg.mlflow.run_name = cfg.mlflow.run_name or self.key
         cfg.mlflow.parent_run_id = self.parent_run_id
         try:
@@ -87,6 +95,28 @@ class Job:
         self._record(result)
         return result.get(cfg.optimized_metric)
 
+    def _home(self, root: Path, resume: str | None) -> Path:
+        """`root/<key>`; or, continuing a job whose checkpoints are only in a folder named before
+        the settings a continuation changes left its name (`...,trainer.max_steps=30`), that one."""
+        from .checkpoint.home import has_checkpoints  # torch: not in the launching process
+
+        home = root / self.key
+        if resume is None or has_checkpoints(home) or not root.is_dir():
+            return home
+        old = [
+            folder for folder in sorted(root.iterdir())
+            if folder != home and has_checkpoints(folder) and _less(folder.name, self.continuing) == self.key
+        ]  # fmt: skip
+        if len(old) > 1:
+            raise RunError(
+                f"the checkpoints of job {self.key} are in {len(old)} folders named the old way: "
+                f"{', '.join(map(str, old))}; rename the one to continue to {home}"
+            )
+        if old:
+            log.info(f"continuing job {self.key} in {old[0]}, named the old way (`mv` it to {home} to rename it)")
+            return old[0]
+        return home
+
     def _record(self, result: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # a job of several SLURM tasks has one result
             write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.key, **result}))
@@ -97,12 +127,55 @@ def current_job() -> Job | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     hydra = HydraConfig.get()
-    parent_file = Path(hydra.sweep.dir) / PARENT_RUN_FILE
+    parent_file, swept_file = Path(hydra.sweep.dir) / PARENT_RUN_FILE, Path(hydra.sweep.dir) / SWEPT_FILE
+    swept = json.loads(read_regular(swept_file)) if swept_file.exists() else []
+    continuing = frozenset(hydra.job.config.override_dirname.exclude_keys) - set(swept)
     return Job(
-        key=hydra.job.override_dirname.replace("/", "_") or "defaults",
+        key=named(hydra.overrides.task, continuing),
         parent_run_id=read_regular(parent_file).decode().strip() if parent_file.exists() else None,
         output_dir=Path(hydra.runtime.output_dir),
+        continuing=continuing,
     )
+
+
+def named(overrides: list[str], continuing: Set[str]) -> str:
+    """A job's key, as Hydra's override_dirname: its sorted overrides, less those that continue a
+    job; its checkpoint folder's and its MLflow run's name."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return ",".join(_naming(parsed, continuing)).replace("/", "_") or "defaults"
+
+
+def _naming(parsed: list[Override], continuing: Set[str]) -> list[str]:
+    """The overrides that name a job or a sweep, sorted as Hydra's override_dirname sorts them."""
+    return sorted(override.input_line for override in parsed if override.key_or_group not in continuing)
+
+
+def _less(name: str, continuing: Set[str]) -> str:
+    """A job folder's name without the settings that continue a job (split where a `key=` starts,
+    since a value may hold commas)."""
+    items = re.split(r",(?=[+~]*[\w.@-]+=)", name)
+    return ",".join(item for item in items if item.split("=", 1)[0].lstrip("+~") not in continuing) or "defaults"
+
+
+def swept_keys(config: DictConfig) -> tuple[list[Override], list[str]]:
+    """The sweep line's parsed overrides, and the settings it sweeps (a list of values, a range, or a
+    sweeper's `params`)."""
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    return parsed, sorted({override.key_or_group for override in parsed if override.is_sweep_override()} | set(params))
+
+
+def sweep_key(config: DictConfig) -> str:
+    """What names a sweep, so that the same sweep continued (`resume=auto`, a larger
+    `trainer.max_steps`) finds its MLflow run again: its `name`, and its sweep line and sweeper
+    overrides, less the settings that continue a job."""
+    parsed, swept = swept_keys(config)
+    continuing = set(config.hydra.job.config.override_dirname.exclude_keys) - set(swept)
+    task = _naming(parsed, continuing)
+    sweeper = sorted(
+        line for line in config.hydra.overrides.hydra if line.startswith(("hydra/sweeper", "hydra.sweeper."))
+    )
+    return " ".join([f"name={config.name}", *task, *sweeper])
 
 
 class SweepCallback(Callback):
@@ -132,6 +205,8 @@ class SweepCallback(Callback):
             raise SystemExit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        # `-m trainer.max_steps=100,200` compares lengths: two jobs, each named by its max_steps.
+        write_text(sweep_dir / SWEPT_FILE, json.dumps(swept_keys(config)[1]))
         if not config.mlflow.enabled:
             return
         try:  # before any job: each would fail on it alone
@@ -144,9 +219,15 @@ class SweepCallback(Callback):
         try:
             self._client = connect(config.mlflow.tracking_uri)
             experiment = experiment_id(self._client, config.mlflow)
-            run = self._client.create_run(
-                experiment, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir)}
-            )
+            key = sweep_key(config)
+            run = self._continued(experiment, key) if config.resume is not None else None
+            if run is None:
+                tags = {"sweep.dir": str(sweep_dir), "sweep.key": key}
+                run = self._client.create_run(experiment, run_name=f"sweep {sweep_dir.name}", tags=tags)
+            else:
+                self._client.update_run(run.info.run_id, status="RUNNING")
+                self._client.set_tag(run.info.run_id, "sweep.dir", str(sweep_dir))
+                log.info(f"continuing the sweep's MLflow run {run.info.run_id} ({run.info.run_name})")
         except Exception as error:  # the jobs can still run, and each tries MLflow itself
             log.warning(f"MLflow failed ({first_line(error)}); the sweep runs without a parent run")
             return
@@ -155,6 +236,21 @@ class SweepCallback(Callback):
         atexit.register(self._end_parent, "KILLED")
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._stop)
+
+    def _continued(self, experiment: str, key: str) -> "Run | None":
+        """The newest MLflow run of the sweep `key` names: its jobs' runs are its children, so a
+        continued sweep reports to it rather than leave it with a stale summary. (MLflow's filter
+        has no escapes: a key with both quotes in it gets a new run.)"""
+        quote = next((quote for quote in "\"'" if quote not in key), None)
+        if quote is None:
+            return None
+        runs = self._client.search_runs(
+            [experiment],
+            f"tags.`sweep.key` = {quote}{key}{quote}",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return runs[0] if runs else None
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

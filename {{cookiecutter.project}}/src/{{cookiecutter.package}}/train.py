@@ -35,6 +35,7 @@ from .preemption import Preemption, Stopped
 from .probe import Probe
 from .progress import Progress, Throughput
 from .provenance import datasets, record, run_name
+from .remembered import CommandLine, resumed
 from .seeding import RandomState, seed_everything
 from .sweeps import current_job
 from .tracking import Tracker, check_tracking_uri
@@ -45,17 +46,21 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> dict | float | None:
     """The entry point of run.py: a problem the user can fix prints as one line, no traceback.
     In a sweep, a failing job fails alone, and a job's value is its `optimized_metric` (sweeps.py)."""
+    said = CommandLine.typed()
     job = current_job()
     if job is not None:
-        return job.run(train, cfg)
-    return reported(lambda: train(cfg))
+        return job.run(lambda cfg: train(cfg, said), cfg)
+    return reported(lambda: train(cfg, said))
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, said: CommandLine | None = None) -> dict:
     """Trains, or continues the run `resume=` names, to `trainer.max_steps`; returns the final
-    metrics, the continuity verdict and the MLflow run id."""
-    check_values(cfg)
+    metrics, the continuity verdict and the MLflow run id. A resume runs with its checkpoint's
+    settings and what the command line `said` changed (remembered.py); without `said`, with `cfg`."""
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
+    # Before the launch is checked: a resume's strategy and device are its checkpoint's unless typed.
+    cfg = resumed(cfg, said)
+    check_values(cfg)
     cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
     # 1. This process's place among the job's and its device, first: a missing accelerator or a
     #    launch that does not match `strategy` fails here, before anything is built.

@@ -48,13 +48,15 @@ class Snapshot:
             local = self._copy_tensor(tensor.to_local(), path)
             placement = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
             return DTensor.from_local(local, tensor.device_mesh, tensor.placements, **placement)
+        on_accelerator = tensor.device.type in ACCELERATORS
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pinned = tensor.device.type in ACCELERATORS
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_accelerator)
             self._buffers[path] = buffer
-        self._on_accelerator |= tensor.device.type in ACCELERATORS
-        return buffer.copy_(tensor.detach(), non_blocking=True)
+        self._on_accelerator |= on_accelerator
+        # Asynchronous only where `take` waits for the device: a copy from another device (mps)
+        # left in flight could be written to disk before it landed.
+        return buffer.copy_(tensor.detach(), non_blocking=on_accelerator)
 
 
 class Writer:

@@ -5,7 +5,7 @@ device, a new lr) are allowed and said."""
 import logging
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import RunError, listed
@@ -13,6 +13,9 @@ from ..provenance import flat_params, flatten
 from .schema import Checkpoint
 
 log = logging.getLogger(__name__)
+
+# Not settings of the run: what names it, and the experiment it stays in whatever the config now says.
+UNREPORTED = ("resume", "mlflow.run_name", "mlflow.experiment_name")
 
 
 def check_fits(saved: Checkpoint, cfg: DictConfig, model: nn.Module) -> None:
@@ -25,7 +28,7 @@ def check_fits(saved: Checkpoint, cfg: DictConfig, model: nn.Module) -> None:
             f"optimizer it was trained with, or start a new run with name=<new name>"
         )
     check_same_groups(saved, cfg)
-    check_model_fits(model, saved_shapes(saved))
+    check_model_fits(model, saved_shapes(saved), changed(saved, cfg, "model"))
 
 
 def check_same_run(saved: Checkpoint, name: str) -> None:
@@ -68,12 +71,29 @@ def saved_shapes(saved: Checkpoint) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in saved.part("model").items()}
 
 
-def check_model_fits(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
+def check_model_fits(model: nn.Module, saved: dict[str, tuple[int, ...]], settings: list[str]) -> None:
+    """Refuses a model whose tensors do not meet the checkpoint's, naming them, and the model
+    `settings` that this run changes (a resume takes the others from the checkpoint)."""
     if problems := mismatches(shapes_of(model), saved)[0]:
-        raise RunError(
-            f"the checkpoint does not fit this model ({problems}); resume with the model settings it was trained "
-            f"with, or start a new run with name=<new name>"
+        fix = (
+            f"this run changes {listed(settings)}: resume without {'it' if len(settings) == 1 else 'them'}"
+            if settings
+            else "resume with the model settings it was trained with"
         )
+        raise RunError(
+            f"the checkpoint does not fit this model ({problems}); {fix}, or start a new run with name=<new name>"
+        )
+
+
+def changed(saved: Checkpoint, cfg: DictConfig, group: str) -> list[str]:
+    """The settings of `group` that differ from the checkpoint's, as `key before -> now`."""
+    before = flatten(saved.config.get(group) or {}, f"{group}.")
+    now = flatten(OmegaConf.to_container(cfg[group], resolve=True), f"{group}.")
+    return [
+        f"{key} {before.get(key)} -> {now.get(key)}"
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key) != now.get(key)
+    ]
 
 
 def shapes_of(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -106,7 +126,7 @@ def report_changes(saved: Checkpoint, cfg: DictConfig, device: torch.device) -> 
     changed = {
         key: f"{before.get(key)} -> {value}"
         for key, value in after.items()
-        if key not in ("resume", "mlflow.run_name") and not key.startswith("device.") and before.get(key) != value
+        if key not in UNREPORTED and not key.startswith("device.") and before.get(key) != value
     }
     if changed:
         log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))

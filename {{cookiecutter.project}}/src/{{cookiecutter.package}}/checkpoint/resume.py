@@ -1,6 +1,7 @@
 """What `resume=` names, and a checkpoint another setting names (`init.checkpoint`, eval.py's
 `checkpoint=`), found and read: a checkpoint of either format, checked before anyone uses it, or
-the newest one of a folder that is whole; found by rank 0 and read by every process."""
+the newest one of a folder that is whole; found by rank 0 and read by every process. And, before
+that, the config it was saved with (remembered.py)."""
 
 import logging
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from ..distributed import World
 from ..errors import CheckpointError, RunError
 from . import home as homes
 from . import onefile, schema
-from .files import kind
+from .files import kind, load_restricted
 from .schema import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,36 @@ def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | No
             log.info(f"resume=auto: no checkpoint in {home}; starting fresh")
         return found
     return at(Path(resume).expanduser().resolve(), verify, f"resume={resume}", "resume=last, resume=auto")
+
+
+def config_of(resume: str | None, home: Path) -> dict | None:
+    """The config of the run that saved the checkpoint `resume=` names (`config_at`); None at a fresh start."""
+    if resume is None:
+        return None
+    return config_at(home if resume in ("last", "auto") else Path(resume).expanduser().resolve())
+
+
+def config_at(path: Path) -> dict | None:
+    """The config a checkpoint was saved with, read before anything is built, by every process and
+    without its tensors' bytes (the pickle alone): of a checkpoint file or folder, or of the newest
+    that reads in a home (or the home a pointer names). None where none reads: the whole read, which
+    follows, says why."""
+    try:
+        path = home_named(path)
+    except RunError:  # a `best` that names nothing: the whole read says so
+        return None
+    candidates = [path]
+    if path.is_dir() and not (path / schema.STATE).exists():
+        candidates = [found for _, found in sorted(homes.steps(path), reverse=True)]
+    for candidate in candidates:
+        state_file = candidate / schema.STATE if candidate.is_dir() else candidate
+        try:
+            state = load_restricted(state_file, state_file, device="meta")
+        except (CheckpointError, OSError):
+            continue
+        if isinstance(state, dict) and isinstance(state.get("config"), dict):
+            return state["config"]
+    return None
 
 
 def at(path: Path, verify: bool, asked: str, instead: str) -> Checkpoint:
