@@ -30,10 +30,11 @@ from .components import RUNTIME
 from .config import Config, check_resolved
 
 COMPONENTS = tuple(RUNTIME)
-# Where the run is, which this command line says whatever the checkpoint holds: its name (a
-# checkpoint of another run is refused, compatibility.check_same_run), what it resumes, and its
-# home, where `resume=last` found the checkpoint.
-OURS = {("name",), ("resume",), ("checkpoint", "dir")}
+# Which run, and where and how this command runs it, which this command line says whatever the
+# checkpoint holds: its name (a checkpoint of another run is refused, compatibility.check_same_run),
+# what it resumes, its home (where `resume=last` found the checkpoint), and the device and strategy
+# (the launch: a ddp or fsdp run resumes in one process with plain `python run.py`, on any device).
+OURS = {("name",), ("resume",), ("checkpoint", "dir"), ("device",), ("strategy",)}
 ABSENT = object()  # a key that a config does not have
 
 

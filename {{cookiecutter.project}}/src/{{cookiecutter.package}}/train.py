@@ -58,7 +58,7 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
     metrics, the continuity verdict and the MLflow run id. A resume runs with its checkpoint's
     settings and what the command line `said` changed (remembered.py); without `said`, with `cfg`."""
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
-    # Before the launch is checked: a resume's strategy and device are its checkpoint's unless typed.
+    # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
     cfg = resumed(cfg, said)
     check_values(cfg)
     cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
