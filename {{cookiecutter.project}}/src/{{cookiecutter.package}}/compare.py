@@ -29,7 +29,7 @@ from .checkpoint.home import steps
 from .checkpoint.schema import STATE
 from .config import NAME, home_of
 from .errors import CheckpointError, RunError, first_line, listed, reported
-from .mlflow_store import _sqlite_file
+from .mlflow_store import sqlite_file
 from .provenance import flatten
 
 # What names a run and where it keeps things, which differ between any two runs; global_batch is
@@ -71,7 +71,7 @@ def project_config(overrides: list[str]) -> DictConfig:
 
 
 def compare(cfg: DictConfig, first: str, second: str) -> str:
-    database = _sqlite_file(cfg.mlflow.tracking_uri)
+    database = sqlite_file(cfg.mlflow.tracking_uri)
     client = None  # MLflow off, or an embedded store never made (a client would make one)
     if cfg.mlflow.enabled and (database is None or database.exists()):
         client = MlflowClient(cfg.mlflow.tracking_uri)

@@ -241,7 +241,7 @@ def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
         if KIND not in experiment.tags:  # created before this project set it, or by hand
             client.set_experiment_tag(experiment.experiment_id, KIND, MODEL_TRAINING)
         return experiment.experiment_id
-    database = _sqlite_file(cfg.tracking_uri)
+    database = sqlite_file(cfg.tracking_uri)
     if database is None:  # a server decides for itself
         return client.create_experiment(cfg.experiment_name, tags={KIND: MODEL_TRAINING})
     # Beside the store, not in whatever folder the job started from.
@@ -258,7 +258,7 @@ def _deleted(experiment: Any, tracking_uri: str, what_else: str = "") -> str:
     )
 
 
-def _sqlite_file(tracking_uri: str) -> Path | None:
+def sqlite_file(tracking_uri: str) -> Path | None:
     """The database file of an embedded sqlite store; None for any other store."""
     if get_uri_scheme(tracking_uri) != "sqlite":
         return None
@@ -281,7 +281,7 @@ def _follow_moved_store(tracking_uri: str) -> None:
     created beside the store (tagged `artifacts_follow_store`) and only when their location
     is a `file:` URI of an `mlruns` folder: a location a user chose is never touched.
     """
-    database = _sqlite_file(tracking_uri)
+    database = sqlite_file(tracking_uri)
     if database is None or not database.exists():  # a new store: nothing to re-point
         return
     here = (database.parent / "mlruns").as_uri()
