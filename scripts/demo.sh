@@ -14,8 +14,8 @@ python -m pip install -q --no-deps --no-build-isolation -e demo/my-trainer
 
 cd demo/my-trainer
 # The first leg stops halfway through a 400-step schedule, as a preempted job would.
-python run.py device=cpu trainer.max_steps=200 scheduler.total_steps=400
-python run.py device=cpu trainer.max_steps=400 resume=last
+python run.py device=cpu trainer.max_steps=200 scheduler.total_steps=400 mlflow.log_models=best
+python run.py device=cpu trainer.max_steps=400 resume=last mlflow.log_models=best
 # The best checkpoint judged in a run nested under the demo's; then AdamW against SGD, a sweep.
 python eval.py device=cpu checkpoint=best
 python run.py -m experiment=compare_optimizers device=cpu trainer.max_steps=200

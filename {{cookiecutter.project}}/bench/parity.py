@@ -88,7 +88,7 @@ def runner_overrides(spec: dict) -> list[str]:
     """run.py's settings for what `spec` describes: the model, its data, precision and optimizer."""
     fused = "true" if spec["fused"] else "null"
     overrides = [f"device={spec['device']}", f"amp={spec['amp']}", f"optimizer.fused={fused}"]
-    overrides += ["trainer.log_every_n_steps=10", "mlflow.log_models=none"]  # the end of the run is not timed
+    overrides += ["trainer.log_every_n_steps=10"]
     if spec["model"] == "gpt":
         overrides += ["experiment=char_lm", f"data.max_chars={spec['max_chars']}", f"data.block_size={spec['block']}"]
         overrides += [f"data.batch_size={spec['batch']}", *(f"model.{key}={spec[key]}" for key in GPT_SIZES)]

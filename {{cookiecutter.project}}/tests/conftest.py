@@ -28,7 +28,6 @@ BASE = {
     "trainer.log_every_n_steps": "1",
     "trainer.val_every_n_steps": "20",
     "checkpoint.every_n_steps": "10",
-    "mlflow.log_models": "none",  # a model logged costs seconds at each run's end: the tests of models ask for it
 }
 
 
@@ -127,14 +126,10 @@ def project(tmp_path: Path) -> Path:
 
 def copy_project(folder: Path) -> Path:
     """run.py, eval.py, export.py and configs/ copied to `folder`: `python run.py` there keeps its
-    default paths (mlflow.db, checkpoints/) out of the real project. As in BASE, no model is logged
-    to MLflow unless a test asks for it (mlflow.log_models=best)."""
+    default paths (mlflow.db, checkpoints/) out of the real project."""
     for script in ("run.py", "eval.py", "export.py"):
         shutil.copy(PROJECT / script, folder / script)
     shutil.copytree(PROJECT / "configs", folder / "configs")
-    settings = folder / "configs" / "mlflow" / "default.yaml"
-    settings.write_text(settings.read_text().replace("\nlog_models: best\n", "\nlog_models: none\n"))
-    assert "log_models: none" in settings.read_text()
     return folder
 
 

@@ -1,9 +1,12 @@
 """Runs on a real GPU: a short training, a save, and a resume onto the GPU from a CPU
-checkpoint; steps that never wait on the GPU; background saves through pinned memory. Skipped
-where the device is absent; on a GPU machine: `pytest -m cuda` or `-m xpu`."""
+checkpoint; steps that never wait on the GPU; background saves through pinned memory; a logged
+model that loads on the machine that logged it. Skipped where the device is absent; on a GPU
+machine: `pytest -m cuda` or `-m xpu`."""
 
 import pytest
 import torch
+from test_export import val_loss
+from test_logged_models import loaded, models_of
 
 from {{cookiecutter.package}} import train as recipe
 from {{cookiecutter.package}}.checkpoint.background import Snapshot
@@ -78,3 +81,13 @@ def test_a_background_save_copies_the_gpu_state_into_pinned_buffers_kept_from_sa
     second = snapshot.take(live)
     assert second["model"]["w"].data_ptr() == copy.data_ptr(), "no allocation after the first save"
     assert torch.equal(second["model"]["w"], torch.full((2048, 2048), 3.0)), "complete when take returns"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda")
+def test_a_model_logged_on_a_gpu_machine_loads_there_to_its_logged_val_loss(make_cfg, client, tracking_uri, capfd):
+    trained = train(make_cfg("device=cuda", "mlflow.log_models=best"))
+    (model,) = models_of(client, trained["run_id"]).values()
+    logged = {metric.key: metric.value for metric in model.metrics}["val/loss"]
+    assert val_loss(loaded(tracking_uri, model.model_id)) == pytest.approx(logged, rel=1e-4)
+    assert "Failed to validate serving input" not in capfd.readouterr().err

@@ -4,6 +4,8 @@ run, logged by the sender process as the run finishes, with the metrics of its s
 
 import logging
 import os
+import subprocess
+import sys
 
 import mlflow
 import pytest
@@ -55,6 +57,31 @@ def test_the_best_model_is_logged_at_its_step_with_its_metrics_and_loads_to_its_
     assert linked["val/loss"].value == logged[best] and linked["val/loss"].step == best
     assert linked["val/loss"].model_id == model.model_id
     assert val_loss(loaded(tracking_uri, model.model_id)) == pytest.approx(logged[best], rel=1e-5)
+
+
+def test_a_model_traced_on_the_cpu_is_checked_on_the_cpu_where_mlflow_would_serve_on_a_gpu(
+    make_cfg, client, monkeypatch, capfd
+):
+    """MLflow checks a logged model's input example through pyfunc, which places the model on a GPU
+    wherever there is one (or where MLFLOW_DEFAULT_PREDICTION_DEVICE says): a model traced on the
+    CPU is refused there, and every run on a GPU machine ended in a block of warnings."""
+    monkeypatch.setenv("MLFLOW_DEFAULT_PREDICTION_DEVICE", "cuda")  # as pyfunc chooses where CUDA is
+    trained = recipe.train(make_cfg("mlflow.log_models=best"))
+    (model,) = models_of(client, trained["run_id"]).values()
+    assert model.status == LoggedModelStatus.READY
+    assert "Failed to validate serving input" not in capfd.readouterr().err
+
+
+def test_the_sender_readies_model_logging_in_a_thread_while_the_run_trains():
+    """torch, MLflow's PyTorch flavor and torch.export's first trace: seconds that the end of a
+    short run waited for, done by the sender beside training once it opens a run that logs models."""
+    check = (
+        "import sys; from {{cookiecutter.package}}.mlflow_store import prepare_model_logging\n"
+        "assert 'torch' not in sys.modules\n"
+        "prepare_model_logging().join()\n"
+        "assert {'mlflow.pytorch', 'torch._dynamo'} <= set(sys.modules), 'not ready'"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=120)
 
 
 @pytest.mark.parametrize(("which", "names"), [("both", {"best", "final"}), ("final", {"final"})])

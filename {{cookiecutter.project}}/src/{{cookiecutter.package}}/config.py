@@ -74,7 +74,7 @@ class MlflowConfig:
     run_name: str | None = None
     system_metrics: bool = False  # CPU, memory, disk, network and GPU as system/* metrics (needs psutil)
     parent_run_id: str | None = None  # nests the run under another: a sweep's jobs under the sweep's run
-    log_models: str = "best"  # best | final | both | none: the models logged as the run finishes
+    log_models: str = "none"  # best | final | both | none: the models logged as the run finishes
 
 
 @dataclass

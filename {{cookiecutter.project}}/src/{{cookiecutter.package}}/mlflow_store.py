@@ -345,9 +345,10 @@ class _Sender:
         incoming: queue.Queue,
         confirm: Callable[[int | str], None],
         monitor: Any = None,
+        model_logging: threading.Thread | None = None,
     ) -> None:
         self._client, self._run_id, self._spill_file, self._incoming = client, run_id, spill_file, incoming
-        self._confirm, self._monitor = confirm, monitor
+        self._confirm, self._monitor, self._model_logging = confirm, monitor, model_logging
         self._received = 0  # metrics, counted from the start
         self._pending: list[Metric] = []
         self._gathering_since = 0.0  # when the oldest pending metric arrived
@@ -370,6 +371,8 @@ class _Sender:
                     end_run(self._client, self._run_id, end, self._spill_file)
                     self._confirm("ended")
                 if models is not None:  # last: a sender killed while it copies weights loses no metric, nor the end
+                    if self._model_logging is not None:
+                        self._model_logging.join()
                     log_models(self._client, self._run_id, models)
                 return
             if isinstance(item, list):
@@ -446,6 +449,25 @@ def unlogged(client: MlflowClient, run_id: str, checkpoints: list[dict]) -> list
     return [checkpoint for checkpoint in checkpoints if checkpoint["path"] not in ready]
 
 
+def prepare_model_logging() -> threading.Thread:
+    """What logging a model needs that the model does not: torch, MLflow's PyTorch flavor and
+    torch.export's first trace (3 s on a CPU), in a thread of the sender while the run trains, on
+    the core training leaves free (devices.set_cpu_threads), so that the end of a run waits only
+    for its own model's trace and files."""
+
+    def warm_up() -> None:
+        with contextlib.suppress(Exception):  # whatever fails here fails again in log_models, which says so
+            import mlflow.pytorch  # noqa: F401
+            import torch
+
+            torch.set_num_threads(1)  # beside training; a model's trace is not arithmetic
+            torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
+
+    thread = threading.Thread(target=warm_up, daemon=True)
+    thread.start()
+    return thread
+
+
 def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
     """Each checkpoint `asked` names as an MLflow model of the run (a LoggedModel: the Models tab,
     `search_logged_models`, `models:/<id>`), at its step, with the run's metrics of that step,
@@ -468,6 +490,9 @@ def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
 
         experiment = client.get_run(run_id).info.experiment_id
         mlflow.set_experiment(experiment_id=experiment)  # MLflow files a model under the active one
+        # The model is traced on the CPU, where it loads on any machine; MLflow checks its example
+        # through pyfunc, which would place it on a GPU wherever one is, and refuse it there.
+        os.environ["MLFLOW_DEFAULT_PREDICTION_DEVICE"] = "cpu"
         example = torch.tensor(asked["example"]["values"], dtype=getattr(torch, asked["example"]["dtype"]))
         requirements = [f"torch=={torch.__version__.split('+')[0]}"]  # a local build tag (+cpu) is no pip version
     except Exception as error:
@@ -545,9 +570,10 @@ def drain() -> None:
         mlflow.set_tracking_uri(cfg.tracking_uri)  # where mlflow.pytorch.log_model writes (log_models)
         # Now, with the run's id answered: git and the package list cost the trainer nothing, and the
         # metrics that arrive meanwhile wait in `incoming`.
+        model_logging = prepare_model_logging() if cfg.log_models != "none" else None
         record_origin(opened.client, opened.run_id, opened.resumes)
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
-        _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor).run()
+        _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor, model_logging).run()
     finally:
         with contextlib.suppress(OSError):  # the trainer takes the end of this output for the sender's exit
             answer.close()
