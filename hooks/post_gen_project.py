@@ -5,8 +5,12 @@ Cookiecutter renders this file with Jinja and runs it from the generated project
 """
 
 import json
+import os
 import subprocess
 from pathlib import Path
+
+from cookiecutter.config import BUILTIN_ABBREVIATIONS
+from cookiecutter.repository import expand_abbreviations, is_repo_url, is_zip_file
 
 PACKAGE = "{{ cookiecutter.package }}"
 PROJECT = "{{ cookiecutter.project }}"
@@ -37,28 +41,53 @@ def main() -> None:
 
 def record_origin() -> None:
     """`.cruft.json`, cruft's record of a project's template (`cruft check` and `cruft update` read
-    it): the template as given, its commit, and the answers. The commit is also the runs' MLflow
-    tag `template.version`; null where the template is not a git checkout, or git is missing
-    (then the tag says unknown): that never fails a bake."""
-    try:
-        checkout = CONTEXT["_repo_dir"]
-        found = subprocess.run(
-            ["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
-        )
-        commit = found.stdout.strip() if found.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        commit = None
+    it): the template as cruft clones it, its commit, and the answers. The commit is also the runs'
+    MLflow tag `template.version`; null where the template is not a git checkout of its own, or git
+    is missing (then the tag says unknown): that never fails a bake. Cruft's own bakes (`cruft
+    create`, and the two renders an update compares) carry `_commit`; cruft writes the file then."""
+    if "_commit" in CONTEXT:
+        return
+    baked_from = typed_at(CONTEXT["_repo_dir"])
+    template = expand_abbreviations(CONTEXT["_template"], BUILTIN_ABBREVIATIONS)
+    if is_repo_url(template) or is_zip_file(template):
+        template = template.removeprefix("git+")  # cookiecutter's mark of git, which git refuses
+    else:
+        template = baked_from  # cruft clones a folder by a path that holds from anywhere
     answers = {key: value for key, value in CONTEXT.items() if key not in LOCAL}
     state = {
-        "template": CONTEXT["_template"],
-        "commit": commit,
+        "template": template,
+        "commit": head(baked_from),
         "checkout": CONTEXT.get("_checkout"),
-        "context": {"cookiecutter": answers},
+        "context": {"cookiecutter": {**answers, "_template": template}},
         "directory": None,
         "skip": [],
     }
     text = json.dumps(state, indent=2, ensure_ascii=False) + "\n"  # as cruft writes it
     Path(".cruft.json").write_text(text, encoding="utf-8")
+
+
+def typed_at(path: str) -> str:
+    """A local path as cookiecutter names it: relative to the folder its command was typed in (the
+    shell's PWD), while this hook runs in the new project."""
+    return os.path.normpath(os.path.join(os.environ.get("PWD", ""), path))
+
+
+def head(checkout: str) -> str | None:
+    """The commit checked out at `checkout`, if it is the top of a git checkout: a template copied
+    into another repository is not at that repository's commit."""
+    try:
+        found = subprocess.run(
+            ["git", "-C", checkout, "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if found.returncode != 0:
+        return None
+    top, commit = found.stdout.splitlines()[:2]
+    return commit if os.path.samefile(top, checkout) else None
 
 
 NEXT_STEPS = f"""
