@@ -50,6 +50,8 @@ SKIPPED = {
     "hydra/launcher=slurm": "needs a SLURM cluster: the bake's tests/test_slurm.py runs this line on one it starts",
     "tracking replay": "needs an outage's leftover file; the bake's test_tracking replays one",
     "--nnodes=2": "needs two nodes: the bake's test_distributed runs this form with two torchruns on one machine",
+    "cruft": "needs a newer template commit: tests/test_update.py runs check, create and update on a bake",
+    "git init": "the project as its own repository: tests/test_update.py commits a bake before cruft update",
 }
 
 

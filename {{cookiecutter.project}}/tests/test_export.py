@@ -25,13 +25,12 @@ from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.exporting import export
 
 
-def readme_lines() -> str:
-    """The README's plain PyTorch lines that load an export (section "Exporting")."""
+def readme_lines(marker: str = "load_file") -> str:
+    """The README's plain PyTorch lines that hold `marker`: by default those that load an export
+    (section "Exporting")."""
     readme = (PROJECT / "README.md").read_text()
     (block,) = [
-        block
-        for block in re.findall(r"^```python\n(.*?)^```", readme, re.DOTALL | re.MULTILINE)
-        if "load_file" in block
+        block for block in re.findall(r"^```python\n(.*?)^```", readme, re.DOTALL | re.MULTILINE) if marker in block
     ]
     return block
 

@@ -1,5 +1,5 @@
-"""MLflow: one run across resumes, the continuity evidence, and metrics that never wait on, or
-die with, the tracking store."""
+"""MLflow: one run across resumes, the continuity evidence, and metrics and files that never wait
+on, or die with, the tracking store."""
 
 import contextlib
 import json
@@ -23,6 +23,7 @@ import yaml
 from conftest import losses, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
+from PIL import Image
 
 from {{cookiecutter.package}} import mlflow_store
 from {{cookiecutter.package}} import train as recipe
@@ -34,7 +35,7 @@ from {{cookiecutter.package}}.errors import RunError
 from {{cookiecutter.package}}.mlflow_store import _Sender, connect, experiment_id, replay
 from {{cookiecutter.package}}.provenance import record
 from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri
-from {{cookiecutter.package}}.unsent import spill
+from {{cookiecutter.package}}.unsent import STAGING, spill
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(
@@ -192,17 +193,31 @@ class Store:
         self.failing = False
         self.failures = 0  # calls refused while failing
         self.batches: list[list] = []
+        self.files: list[tuple] = []  # (artifact path, text) of each file logged, (key, step, size) of each image
         self.ended: list[tuple] = []
         self._called = threading.Condition()
 
-    def log_batch(self, run_id, metrics):
+    @contextlib.contextmanager
+    def _reached(self):
         self.open.wait()
         with self._called:
             self._called.notify_all()
             if self.failing:
                 self.failures += 1
                 raise ConnectionError("server went away")
+            yield
+
+    def log_batch(self, run_id, metrics):
+        with self._reached():
             self.batches.append(list(metrics))
+
+    def log_artifact(self, run_id, local_path, artifact_path=None):
+        with self._reached():
+            self.files.append((f"{artifact_path}/{Path(local_path).name}", Path(local_path).read_text()))
+
+    def log_image(self, run_id, image, key, step, timestamp):
+        with self._reached():
+            self.files.append((key, step, image.size))
 
     def set_terminated(self, run_id, status, end_time):
         if self.failing:
@@ -278,18 +293,22 @@ def drain(
     end: dict | None = None,
     clock: SenderClock | None = None,
     pause: float = 0,
-) -> list[int]:
+    files: tuple[dict, ...] = (),
+) -> list[int | dict]:
     """Runs the sender loop in a thread over metrics handed over one step at a time, `pause`
-    seconds apart on the sender's `clock` when given, then ends it, with the end of the run when
-    given; `hold` runs before the end. Returns what the sender confirmed, in order."""
+    seconds apart on the sender's `clock` when given, then `files` (staged), then ends it, with
+    the end of the run when given; `hold` runs before the end. Returns what the sender confirmed,
+    in order."""
     incoming: queue.Queue = clock if clock is not None else queue.Queue()
-    confirmed: list[int] = []
+    confirmed: list[int | dict] = []
     sender = threading.Thread(target=_Sender(store, "run", spill, incoming, confirm=confirmed.append).run)
     sender.start()
     for step, value in rows_by_step.items():
         incoming.put([["train/loss", value, 0, step]])
         if pause:
             clock.advance(pause)
+    for number, what in enumerate(files):
+        incoming.put({"file": what, "id": number})
     if hold is not None:
         hold()
     if end is not None:
@@ -364,7 +383,7 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
     assert f"python -m {{cookiecutter.package}}.tracking replay {spill}" in caplog.text
     run_id = client.create_run(client.create_experiment("replay")).info.run_id
     spilled_for(spill, run_id)
-    assert replay(spill, client.tracking_uri) == (30, {})
+    assert replay(spill, client.tracking_uri) == (30, 0, {})
     assert losses(client, run_id) == {step: [step / 10] for step in range(1, 31)}
     assert client.get_run(run_id).info.status == "RUNNING", "no end recorded: the run is left as it is"
 
@@ -383,7 +402,7 @@ def test_replay_ends_a_run_that_the_store_could_not_end(tmp_path, client, caplog
     assert f"could not mark MLflow run run KILLED (server went away); that is recorded in {spill}" in caplog.text
 
     spilled_for(spill, run.info.run_id)
-    assert replay(spill, client.tracking_uri) == (3, {run.info.run_id: "ended KILLED"})
+    assert replay(spill, client.tracking_uri) == (3, 0, {run.info.run_id: "ended KILLED"})
     ended = client.get_run(run.info.run_id).info
     assert (ended.status, ended.end_time) == ("KILLED", run.info.start_time + 5000)
     assert losses(client, run.info.run_id) == {1: [0.1], 2: [0.2], 3: [0.3]}
@@ -424,6 +443,7 @@ def test_replay_ends_only_a_run_still_waiting_for_that_end(tmp_path, client):
     )
     assert replay(spill, client.tracking_uri) == (
         0,
+        0,
         {
             resumed.info.run_id: "left RUNNING: it was resumed since",
             ended.info.run_id: "left FAILED: it was ended since",
@@ -446,6 +466,171 @@ def test_replay_into_a_store_without_the_run_says_so_in_one_line(tmp_path):
     assert replayed.returncode == 1
     (last,) = [line for line in replayed.stderr.splitlines() if "mlflow.store.db.utils" not in line]
     assert last.startswith(f"error: could not replay {spill} into {store} (Run with id={'0' * 32} not found); ")
+
+
+def staged(folder: Path, name: str, text: str = "", image: tuple[int, int] | None = None) -> Path:
+    """A file written in `folder`'s staging folder as a hook's would be: in a fresh folder of its
+    own; a PNG of `image` (width, height) pixels when given."""
+    path = folder / STAGING / f"{name}.d" / name
+    path.parent.mkdir(parents=True)
+    if image is None:
+        path.write_text(text)
+    else:
+        Image.new("RGB", image, "red").save(path)
+    return path
+
+
+def artifacts_of(client: MlflowClient, run_id: str, folder: str | None = None) -> list[str]:
+    found = []
+    for entry in client.list_artifacts(run_id, folder):
+        found += artifacts_of(client, run_id, entry.path) if entry.is_dir else [entry.path]
+    return found
+
+
+def test_files_and_images_handed_over_reach_the_run_and_leave_no_copy_behind(make_cfg, client, tmp_path, caplog):
+    tracker = Tracker(make_cfg().mlflow, tmp_path)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None, datasets=[])
+    tracker.log_artifact(staged(tmp_path, "notes.txt", "seen at step 3"), "texts")
+    tracker.log_image(staged(tmp_path, "red.png", image=(6, 4)), "samples/red", 3)
+    tracker.finish("FINISHED")
+    run_id = tracker.run_id
+    assert Path(client.download_artifacts(run_id, "texts/notes.txt")).read_text() == "seen at step 3"
+    # MLflow's image slider: each image as a PNG and a smaller WebP named by key (/ as ~) and step.
+    images = artifacts_of(client, run_id, "images")
+    assert [re.sub(r"\+timestamp\+\d+\+[0-9a-f-]+", "", image) for image in images] == [
+        "images/samples~red+step+3+compressed.webp",
+        "images/samples~red+step+3.png",
+    ]
+    assert client.get_run(run_id).data.tags["mlflow.loggedImages"] == "True"
+    assert not any(path.is_file() for path in (tmp_path / STAGING).rglob("*")), "delivered, then deleted"
+
+    late = staged(tmp_path, "late.txt", "after the end")
+    with caplog.at_level(logging.WARNING):
+        tracker.log_artifact(late)
+    assert f"{late} was handed to MLflow after the end of the run, and is not logged" in caplog.text
+    assert not late.exists() and "late.txt" not in artifacts_of(client, run_id)
+
+
+def test_a_file_handed_over_where_nothing_logs_is_deleted_and_a_name_mlflow_refuses_is_refused_at_once(
+    make_cfg, tmp_path
+):
+    untracked = Tracker(make_cfg("mlflow.enabled=false").mlflow, tmp_path)
+    assert not untracked.logs
+    untracked.log_artifact(path := staged(tmp_path, "notes.txt", "x"))
+    assert not path.exists(), "the tracker owns it: nothing would delete it later"
+    tracker = Tracker(make_cfg().mlflow, tmp_path)
+    with pytest.raises(ValueError, match=r"^the image key 'a:b' is not one MLflow takes; use letters, digits, "):
+        tracker.log_image(staged(tmp_path, "a.png", image=(2, 2)), "a:b", 1)
+    with pytest.raises(ValueError, match=r"^artifact_path='../up' is no folder of the run's artifacts; give a "):
+        tracker.log_artifact(staged(tmp_path, "up.txt"), "../up")
+    outside = tmp_path / "thesis.txt"
+    outside.write_text("mine")
+    with pytest.raises(ValueError, match=r"thesis.txt is not a file in .*unsent-files$"):
+        tracker.log_artifact(outside)
+    assert outside.read_text() == "mine"
+
+
+def test_files_kept_through_an_outage_are_delivered_when_the_store_returns(tmp_path, monkeypatch):
+    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 0.01)
+    clock, store = sender_clock(monkeypatch), Store()
+    store.failing = True
+    notes, image = staged(tmp_path, "notes.txt", "kept"), staged(tmp_path, "red.png", image=(5, 3))
+
+    def outage_ends() -> None:
+        clock.advance(0.1)  # past the send
+        store.wait_for(lambda: store.failures >= 1)
+        assert notes.exists() and image.exists()
+        store.failing = False
+        clock.advance(0.1)  # past the retry
+        store.wait_for(lambda: len(store.files) == 2)
+
+    files = (
+        {"path": f"{STAGING}/notes.txt.d/notes.txt", "artifact_path": "texts"},
+        {"path": f"{STAGING}/red.png.d/red.png", "key": "samples", "step": 7, "timestamp": 0},
+    )
+    confirmed = drain(store, tmp_path / "unsent.jsonl", {}, hold=outage_ends, clock=clock, files=files)
+    assert store.files == [("texts/notes.txt", "kept"), ("samples", 7, (5, 3))]
+    assert confirmed == [{"file": 0}, {"file": 1}]
+    assert not notes.exists() and not image.exists() and not notes.parent.exists()
+    assert not (tmp_path / "unsent.jsonl").exists()
+
+
+def test_files_that_never_got_through_wait_on_disk_and_replay_sends_each_once(tmp_path, client, caplog):
+    store = Store()
+    store.failing = True
+    spill = tmp_path / "unsent-metrics-run.jsonl"
+    notes, image = staged(tmp_path, "notes.txt", "kept"), staged(tmp_path, "red.png", image=(5, 3))
+    files = (
+        {"path": f"{STAGING}/notes.txt.d/notes.txt", "artifact_path": "texts"},
+        {"path": f"{STAGING}/red.png.d/red.png", "key": "samples", "step": 7, "timestamp": 1000},
+    )
+    with caplog.at_level(logging.WARNING):
+        confirmed = drain(store, spill, {1: 0.5}, files=files)
+    assert confirmed == [1, {"file": 0}, {"file": 1}], "spilled: the trainer has nothing left to keep"
+    assert f"1 metrics and 2 files could not reach MLflow; they are in {spill}" in caplog.text
+    assert notes.read_text() == "kept" and image.exists(), "a spilled file stays where it is, for replay"
+    # A sender killed before it confirmed what it spilled leaves the trainer to spill it again.
+    spill.write_text(spill.read_text() + spill.read_text().split("\n", 1)[1])
+    run_id = client.create_run(client.create_experiment("replay-files")).info.run_id
+    spilled_for(spill, run_id)
+
+    assert replay(spill, client.tracking_uri) == (1, 2, {})
+    assert Path(client.download_artifacts(run_id, "texts/notes.txt")).read_text() == "kept"
+    (png,) = [path for path in artifacts_of(client, run_id, "images") if path.endswith(".png")]
+    assert png.startswith("images/samples+step+7+timestamp+1000+")
+    assert not notes.exists() and not image.exists()
+    assert replay(spill, client.tracking_uri) == (1, 0, {}), "running it twice is harmless"
+    assert len(artifacts_of(client, run_id, "images")) == 2
+
+
+def test_a_staged_file_that_became_a_link_or_lies_outside_is_neither_sent_nor_deleted(tmp_path, caplog):
+    outside = tmp_path / "thesis.txt"
+    outside.write_text("mine")
+    link = staged(tmp_path, "notes.txt")
+    link.unlink()
+    link.symlink_to(outside)
+    folder = staged(tmp_path, "thesis.txt").parent  # its folder, replaced by a link to the one outside
+    shutil.rmtree(folder)
+    folder.symlink_to(tmp_path)
+    files = (
+        {"path": f"{STAGING}/notes.txt.d/notes.txt", "artifact_path": None},
+        {"path": f"{STAGING}/thesis.txt.d/thesis.txt", "artifact_path": None},
+        {"path": "thesis.txt", "artifact_path": None},  # a spill file's row, edited
+    )
+    store = Store()
+    with caplog.at_level(logging.WARNING):
+        confirmed = drain(store, tmp_path / "unsent.jsonl", {}, files=files)
+    assert store.files == [] and confirmed == [{"file": 0}, {"file": 1}, {"file": 2}]
+    assert f"{link} is a symbolic link, not a regular file; not logged to MLflow" in caplog.text
+    assert f"{folder / 'thesis.txt'} is not a file in {tmp_path / STAGING}; not logged to MLflow" in caplog.text
+    assert f"{outside} is not a file in {tmp_path / STAGING}; not logged to MLflow" in caplog.text
+    assert outside.read_text() == "mine" and link.is_symlink()
+
+
+def test_a_sender_killed_before_it_confirmed_a_file_leaves_it_to_the_trainer_which_sends_it_once(
+    make_cfg, client, tmp_path, caplog
+):
+    tracker = Tracker(make_cfg().mlflow, tmp_path)
+    tracker.open({"seed": "0"}, {}, "seed: 0\n", checkpoint=None, datasets=[])
+    run_id = tracker.run_id  # waits for the sender to open the run
+    sender = tracker._sender
+    os.kill(sender._child.pid, signal.SIGSTOP)  # it takes no more, and confirms nothing
+    image = staged(tmp_path, "red.png", image=(4, 4))
+    tracker.log_image(image, "samples", 5)
+    while not sender._files:  # handed over: in the pipe, waiting for its confirmation
+        time.sleep(0.01)
+    sender._child.kill()
+    with caplog.at_level(logging.WARNING):
+        tracker.finish("FINISHED")
+    spill = tmp_path / f"unsent-metrics-{run_id}.jsonl"
+    assert f"the MLflow sender process died (exit code -9); the end of the run was kept in {spill}; sent now" in (
+        caplog.text
+    )
+    (png,) = [path for path in artifacts_of(client, run_id, "images") if path.endswith(".png")]
+    assert png.startswith("images/samples+step+5+")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert not image.exists() and not spill.exists()
 
 
 def sender_of(process: subprocess.Popen) -> int:
@@ -574,7 +759,7 @@ def test_a_line_cut_short_by_a_killed_writer_costs_that_line_alone(tmp_path, cli
 
     path.write_text(json.dumps(row(1)) + "\n" + json.dumps(row(2))[:30])  # a writer killed mid-line
     spill(path, [row(3)])
-    assert replay(path, client.tracking_uri) == (2, {})
+    assert replay(path, client.tracking_uri) == (2, 0, {})
     assert losses(client, run_id) == {1: [1.0], 3: [3.0]}
 
 

@@ -1,4 +1,4 @@
-"""Components by `_target_`: the data, task, model, loss, metrics, optimizer and scheduler are
+"""Components by `_target_`: the data, task, model, loss, metrics, optimizer, scheduler and callbacks are
 each a class (or a function) that its YAML file names, built with `hydra.utils.instantiate`.
 
 A component's schema is its signature. Before anything is built, every setting is checked against
@@ -37,7 +37,10 @@ RUNTIME = {
     "metrics": (),
     "optimizer": ("params",),  # the model's trainable parameters, already on the device
     "scheduler": ("optimizer",),
+    "callbacks": (),  # hooks.py
 }
+# The groups that map names to components, metrics.<name> and callbacks.<name>.
+MAPPINGS = ("metrics", "callbacks")
 # The groups given the data's facts (data.Data), which are known only once the data is built: a
 # parameter without default that no setting gives may be one of them, checked at build time.
 GIVEN_FACTS = ("task", "model", "loss", "metrics")
@@ -105,16 +108,16 @@ def problems(cfg: DictConfig) -> list[str]:
     found = []
     for group in RUNTIME:
         node = cfg[group]
-        if group != "metrics":
+        if group not in MAPPINGS:
             found += _check(group, node, RUNTIME[group])
             continue
         if not isinstance(node, DictConfig):
-            found.append("metrics must map names to components, e.g. metrics.accuracy._target_=...")
+            found.append(f"{group} must map names to components, e.g. {group}.<name>._target_=...")
             continue
-        for name, metric in node.items():
-            if not METRIC_NAME.fullmatch(str(name)):
+        for name, component in node.items():
+            if group == "metrics" and not METRIC_NAME.fullmatch(str(name)):
                 found.append(f"metrics.{name}: a metric's name is logged as val/<name>; use letters, digits and _")
-            found += _check(f"metrics.{name}", metric, RUNTIME[group])
+            found += _check(f"{group}.{name}", component, RUNTIME[group])
     return found
 
 

@@ -3,7 +3,7 @@
 Two kinds of config group. The run's own settings (strategy, device, amp, checkpoint, mlflow, trainer) have a
 dataclass each: Hydra merges the YAML files into them, so a misspelt key or `amp.enabled=maybe`
 stops the run at composition, with Hydra's message. The components (data, task, model, loss,
-metrics, optimizer, scheduler) name what builds them with `_target_`, and their schema is its signature:
+metrics, optimizer, scheduler, callbacks) name what builds them with `_target_`, and their schema is its signature:
 `check_values` checks them against it (components.py) before anything is built, as it checks
 what Hydra lets through (a key added with `+`, a value out of range).
 """
@@ -134,6 +134,7 @@ class Config:
     metrics: Any = MISSING  # {name: component}, each logged as val/<name>
     optimizer: Any = MISSING
     scheduler: Any = MISSING
+    callbacks: dict[str, Any] = field(default_factory=dict)  # {name: component}, called at the run's points (hooks.py)
     name: str = MISSING  # names the checkpoint home and the MLflow run
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>

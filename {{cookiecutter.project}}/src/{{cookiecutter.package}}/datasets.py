@@ -109,3 +109,95 @@ def read_standard_library(max_chars: int) -> str:
         if size >= max_chars:
             break
     return "".join(parts)[:max_chars]
+
+
+# Pads a text to the block: no example holds it, as each is one line.
+PAD = CHARACTERS.index("\n")
+
+
+def text_folder(dir: str | None, block_size: int, val_fraction: float, max_lines: int | None = None) -> Data:
+    """Labelled texts for a classifier: a folder of `<label>.txt` files, one example a line (blank
+    lines skipped), the labels in the order of their names as classes 0, 1, ...; with `dir` null,
+    the example: lines of the standard library's own source by kind (`read_line_kinds`). Each
+    text is read in the characters of `python_source`, cut to `block_size` and padded to it with
+    PAD, so that a language model of that data starts the classifier. `max_lines` caps each
+    label's examples; a fixed `val_fraction` of them, drawn by SPLIT_SEED, is for validation.
+
+    Its facts: what the model takes (`vocab_size`, `block_size`, `num_classes`, `pad`), and what
+    turns a string into inputs and a class into its name (`characters`, `labels`), which export.py
+    writes beside the weights."""
+    if not 0 < val_fraction < 1 or block_size < 1:
+        raise ValueError(
+            f"val_fraction={val_fraction} must be above 0 and below 1, and block_size={block_size} above 0"
+        )
+    examples = read_labelled(Path(dir).expanduser()) if dir is not None else read_line_kinds()
+    if max_lines is not None:
+        examples = {label: lines[:max_lines] for label, lines in examples.items()}
+    labels = sorted(examples)
+    lookup = {character: index for index, character in enumerate(CHARACTERS)}
+    texts = [text[:block_size] for label in labels for text in examples[label]]
+    tokens = torch.full((len(texts), block_size), PAD, dtype=torch.long)
+    for row, text in enumerate(texts):
+        tokens[row, : len(text)] = torch.tensor([lookup.get(character, UNKNOWN) for character in text])
+    targets = torch.tensor([index for index, label in enumerate(labels) for _ in examples[label]])
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    num_val = int(len(texts) * val_fraction)
+    if not 0 < num_val < len(texts):
+        raise ValueError(
+            f"val_fraction={val_fraction} leaves {num_val} of {len(texts)} examples for validation; both training "
+            f"and validation need some: give more examples, or another data.val_fraction"
+        )
+    val, train = order[:num_val], order[num_val:]
+    return Data(
+        train=TensorDataset(tokens[train], targets[train]),
+        val=TensorDataset(tokens[val], targets[val]),
+        vocab_size=len(CHARACTERS) + 1,
+        block_size=block_size,
+        num_classes=len(labels),
+        pad=PAD,
+        characters=CHARACTERS,
+        labels=labels,
+    )
+
+
+def read_labelled(folder: Path) -> dict[str, list[str]]:
+    """The examples of each `<label>.txt` in `folder`, its non-blank lines."""
+    form = "a folder of <label>.txt files, one example a line (or data.dir=null: the example)"
+    if not folder.is_dir():
+        raise ValueError(f"data.dir={folder} is no folder; point data.dir at {form}")
+    files = sorted(folder.glob("*.txt"))
+    if len(files) < 2:
+        found = f"only {files[0].name}" if files else "no <label>.txt file"
+        raise ValueError(
+            f"data.dir={folder} holds {found}, and a classifier needs two labels; point data.dir at {form}"
+        )
+    examples = {}
+    for path in files:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        examples[path.stem] = [line for line in lines if line.strip()]
+        if not examples[path.stem]:
+            raise ValueError(f"{path} holds no example (one a line); add some, or remove the file and its label")
+    return examples
+
+
+def read_line_kinds() -> dict[str, list[str]]:
+    """Labelled text every machine with Python has: the lines of the standard library's top-level
+    modules, unindented, each once, in the order of their file names, by kind (`line_kind`)."""
+    examples: dict[str, dict[str, None]] = {label: {} for label in ("code", "comment", "definition", "import")}
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if text := line.strip():
+                examples[line_kind(text)].setdefault(text)  # a dict: each line once, in order
+    return {label: list(lines) for label, lines in examples.items()}
+
+
+def line_kind(text: str) -> str:
+    """What an unindented line of Python is: a `comment`, a `definition` (def, class), an `import`,
+    or else `code`."""
+    if text.startswith("#"):
+        return "comment"
+    if text.startswith(("def ", "async def ", "class ")):
+        return "definition"
+    if text.startswith("import ") or text.startswith("from ") and " import " in text:
+        return "import"
+    return "code"

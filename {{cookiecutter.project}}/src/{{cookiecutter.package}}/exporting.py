@@ -1,6 +1,7 @@
 """export.py's recipe: a checkpoint's model weights, and nothing else of it, as one safetensors
 file in the dtype asked for, with a sidecar JSON beside it that says how to build the model they
-fit (its `_target_`, its settings and the data's facts it takes) and where they came from. A few
+fit (its `_target_`, its settings and the data's facts it takes), the data's facts (a vocabulary
+and labels turn a string into inputs and outputs into names) and where they came from. A few
 lines of plain PyTorch load them (README "Exporting"); no pickle is written or read.
 
 A sharded checkpoint is read into one model through the project's own loaders, which refuse a
@@ -67,6 +68,7 @@ def export(cfg: Config, which: str, out: Path, dtype: str, said: CommandLine | N
     }
     described = {
         "model": components.described("model", cfg.model, **data.facts),
+        "data": plain(data.facts),
         "dtype": dtype,
         "source": source,
         "score": saved.state.get("score"),  # optimized_metric at the checkpoint's step, when it was ranked
@@ -90,6 +92,19 @@ def export(cfg: Config, which: str, out: Path, dtype: str, said: CommandLine | N
     size = out.stat().st_size / 2**20
     log.info(f"wrote {out} ({len(tensors)} tensors, {size:.1f} MiB, {dtype}) and {sidecar}: the model of {saved.path}")
     return sidecar
+
+
+def plain(facts: dict) -> dict:
+    """The data's facts that JSON holds; one it cannot (a tensor) is left out, with a warning."""
+    kept = {}
+    for key, value in facts.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            log.warning(f"the data's fact {key} (a {type(value).__name__}) is not plain data: left out of the sidecar")
+            continue
+        kept[key] = value
+    return kept
 
 
 def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -1,8 +1,8 @@
 """Everything that talks to the MLflow store, in the processes that do: the sender process
 a training run starts (`drain`, run as `python -m <package>.tracking drain`), which opens or
-continues the run and then delivers its metrics; the launching process of a sweep (its parent
-run); and `replay`. The training process itself never imports this module, or MLflow: the
-import alone is 2 s of start-up (tracking.py is its side).
+continues the run and then delivers its metrics and files; the launching process of a sweep
+(its parent run); and `replay`. The training process itself never imports this module, or
+MLflow: the import alone is 2 s of start-up (tracking.py is its side).
 """
 
 import contextlib
@@ -32,7 +32,7 @@ from .checkpoint.files import read_regular
 from .config import MlflowConfig
 from .errors import RunError, first_line
 from .origin import origin
-from .unsent import replay_command, spill, spill_path
+from .unsent import discard, replay_command, spill, spill_path, staged
 
 try:  # MLflow's own table of store schemes, plugins included; private, so a newer MLflow may lack it
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry
@@ -325,16 +325,47 @@ def end_run(client: MlflowClient, run_id: str, end: dict, spill_file: Path) -> N
         )
 
 
+def deliver_file(client: MlflowClient, run_id: str, folder: Path, what: dict) -> bool:
+    """Logs the file that `what` describes (handed over, or a row of the spill file): its `path` in
+    the checkpoint folder `folder`, and its `artifact_path`, or, for an image, the `key`, `step`
+    and `timestamp` it is logged at; then deletes it. False where nothing was logged: the file is
+    gone (delivered by a sender killed before it confirmed it), or is refused, with a warning, and
+    left as it is (a link, a file outside `unsent-files/`, an image that cannot be read). A store
+    that fails raises, and the file stays."""
+    try:
+        path = staged(folder, what["path"])
+        image = _read_image(path) if "key" in what else None
+    except FileNotFoundError:
+        return False
+    except Exception as error:  # whatever a damaged image raises
+        log.warning(f"{first_line(error)}; not logged to MLflow")
+        return False
+    if image is None:
+        client.log_artifact(run_id, str(path), what["artifact_path"])
+    else:
+        client.log_image(run_id, image, key=what["key"], step=what["step"], timestamp=what["timestamp"])
+    discard(folder, what["path"])
+    return True
+
+
+def _read_image(path: Path) -> Any:
+    import PIL.Image  # only in a sender that logs an image
+
+    with PIL.Image.open(path) as image:
+        return image.copy()  # read whole: the file closes here
+
+
 class _Sender:
     """The sender process's side: batches from `incoming` into `log_batch` calls, in order, each
-    holding what arrived over `SEND_EVERY_SECONDS` (or `BATCH_LIMIT` metrics).
+    holding what arrived over `SEND_EVERY_SECONDS` (or `BATCH_LIMIT` metrics); files go with them.
 
-    When the store fails, metrics stay pending and are retried every `RETRY_SECONDS`. `incoming`
-    holds lists of metric rows, tags ({"tags": ...}) and the end of the run ({"end": ...}), then
-    None; or None alone when the trainer died. Then the system metrics monitor (if any) stops,
-    what is still pending goes to `spill_file`, a JSON-lines file, and the run is ended. Each time
-    metrics are delivered or spilled, `confirm` is told how many have been, counted from the start;
-    once the run is ended (or its end spilled), "ended".
+    When the store fails, metrics and files stay pending and are retried every `RETRY_SECONDS`.
+    `incoming` holds lists of metric rows, files ({"file": ..., "id": <number>}), tags ({"tags":
+    ...}) and the end of the run ({"end": ...}), then None; or None alone when the trainer died.
+    Then the system metrics monitor (if any) stops, what is still pending goes to `spill_file`, a
+    JSON-lines file (a file stays on disk, named there), and the run is ended. Each time metrics
+    are delivered or spilled, `confirm` is told how many have been, counted from the start; each
+    time a file is, {"file": <its number>}; once the run is ended (or its end spilled), "ended".
     """
 
     def __init__(
@@ -351,7 +382,8 @@ class _Sender:
         self._confirm, self._monitor, self._model_logging = confirm, monitor, model_logging
         self._received = 0  # metrics, counted from the start
         self._pending: list[Metric] = []
-        self._gathering_since = 0.0  # when the oldest pending metric arrived
+        self._files: list[dict] = []  # handed over, not yet delivered: {"file": ..., "id": ...}
+        self._gathering_since = 0.0  # when the oldest pending metric or file arrived
         self._retry_at: float | None = None  # set while the store is failing
 
     def run(self) -> None:
@@ -375,13 +407,15 @@ class _Sender:
                         self._model_logging.join()
                     log_models(self._client, self._run_id, models)
                 return
+            if not (self._pending or self._files) and (isinstance(item, list) or "file" in item):
+                self._gathering_since = time.monotonic()
             if isinstance(item, list):
-                if not self._pending:
-                    self._gathering_since = time.monotonic()
                 self._pending.extend(Metric(*row) for row in item)
                 self._received += len(item)
                 if len(self._pending) >= BATCH_LIMIT:
                     self._send()
+            elif "file" in item:
+                self._files.append(item)
             elif "tags" in item:
                 set_tags(self._client, self._run_id, item["tags"])
             elif "models" in item:
@@ -390,8 +424,8 @@ class _Sender:
                 end = item["end"]
 
     def _until_due(self) -> float | None:
-        """Seconds until the pending metrics are to be sent; None (no limit) when none are."""
-        if not self._pending:
+        """Seconds until the pending metrics and files are to be sent; None (no limit) when none are."""
+        if not (self._pending or self._files):
             return None
         due = self._retry_at if self._retry_at is not None else self._gathering_since + SEND_EVERY_SECONDS
         return max(due - time.monotonic(), 0.0)
@@ -399,39 +433,44 @@ class _Sender:
     def _send(self, force: bool = False) -> None:
         if self._retry_at is not None and time.monotonic() < self._retry_at and not force:
             return
-        while self._pending:
-            batch = self._pending[:BATCH_LIMIT]
-            try:
+        try:
+            while self._pending:
+                batch = self._pending[:BATCH_LIMIT]
                 self._client.log_batch(self._run_id, metrics=batch)
-            except Exception as error:  # any failure of the store: keep the metrics, try again later
-                if self._retry_at is None:
-                    log.warning(
-                        f"MLflow is not taking metrics ({first_line(error)}); training goes on, metrics are kept"
-                    )
-                self._retry_at = time.monotonic() + RETRY_SECONDS
-                return
-            del self._pending[: len(batch)]
-            self._confirm(self._received - len(self._pending))
+                del self._pending[: len(batch)]
+                self._confirm(self._received - len(self._pending))
+            while self._files:
+                deliver_file(self._client, self._run_id, self._spill_file.parent, self._files[0]["file"])
+                self._confirm({"file": self._files.pop(0)["id"]})
+        except Exception as error:  # any failure of the store: keep the metrics and files, try again later
+            if self._retry_at is None:
+                log.warning(f"MLflow is not taking metrics ({first_line(error)}); training goes on, metrics are kept")
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return
         if self._retry_at is not None:
             log.warning("MLflow is taking metrics again; the ones kept meanwhile are sent")
             self._retry_at = None
 
     def _spill_pending(self) -> None:
-        if not self._pending:
+        if not (self._pending or self._files):
             return
         rows = [
             {"run_id": self._run_id, "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
             for m in self._pending
-        ]
+        ] + [{"run_id": self._run_id, "file": item["file"]} for item in self._files]
+        counts = ((len(self._pending), "metrics"), (len(self._files), "files"))
+        left = " and ".join(f"{count} {what}" for count, what in counts if count)
         try:
             written = spill(self._spill_file, rows)
         except OSError as error:
-            log.warning(f"{len(rows)} metrics could not reach MLflow, nor {self._spill_file} ({error.strerror})")
+            log.warning(f"{left} could not reach MLflow, nor {self._spill_file} ({error.strerror})")
             return
         self._confirm(self._received)
+        for item in self._files:
+            self._confirm({"file": item["id"]})
         log.warning(
-            f"{len(self._pending)} metrics could not reach MLflow; they are in {written}. Send them "
-            f"when the store is back: {replay_command(written)}"
+            f"{left} could not reach MLflow; they are in {written}. Send them when the store is back: "
+            f"{replay_command(written)}"
         )
 
 
@@ -555,9 +594,10 @@ def drain() -> None:
     answering = True
     try:
         say({"run_id": opened and opened.run_id, "resumes": opened.resumes if opened else 0})
-        if opened is None:  # untracked: what the trainer hands over has nowhere to go
-            while incoming.get() is not None:
-                pass
+        if opened is None:  # untracked: what the trainer hands over has nowhere to go, its files deleted
+            while (item := incoming.get()) is not None:
+                if isinstance(item, dict) and "file" in item:
+                    discard(Path(asked["spill_dir"]), item["file"]["path"])
             return
         monitor = None
         if cfg.system_metrics:
@@ -579,10 +619,12 @@ def drain() -> None:
             answer.close()
 
 
-def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
-    """Sends a file of unsent metrics to `tracking_uri`, then ends the runs it records the end
-    of; returns how many metrics were sent, and what became of each recorded end, by run."""
-    client, metrics_by_run, ends = connect(tracking_uri), {}, {}
+def replay(path: Path, tracking_uri: str) -> tuple[int, int, dict[str, str]]:
+    """Sends a file of unsent metrics to `tracking_uri`, and the files it names (deleting each
+    once sent), then ends the runs it records the end of; returns how many metrics and files were
+    sent, and what became of each recorded end, by run. A file named twice (spilled by a sender
+    that died before it confirmed, and again by the trainer) is sent once: it is gone after."""
+    client, metrics_by_run, files, ends = connect(tracking_uri), {}, [], {}
     for line in read_regular(path).decode(errors="replace").splitlines():
         try:
             row = json.loads(line)
@@ -591,14 +633,17 @@ def replay(path: Path, tracking_uri: str) -> tuple[int, dict[str, str]]:
             continue
         if "status" in row:
             ends[row["run_id"]] = row  # a run resumed and stopped again: its last end counts
+        elif "file" in row:
+            files.append(row)
         else:
             metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
             metrics_by_run.setdefault(row["run_id"], []).append(metric)
     for run_id, metrics in metrics_by_run.items():
         for start in range(0, len(metrics), BATCH_LIMIT):
             client.log_batch(run_id, metrics=metrics[start : start + BATCH_LIMIT])
+    sent_files = sum(deliver_file(client, row["run_id"], path.parent, row["file"]) for row in files)
     outcomes = {run_id: _replay_end(client, end) for run_id, end in ends.items()}
-    return sum(len(metrics) for metrics in metrics_by_run.values()), outcomes
+    return sum(len(metrics) for metrics in metrics_by_run.values()), sent_files, outcomes
 
 
 def _replay_end(client: MlflowClient, end: dict) -> str:

@@ -2,8 +2,9 @@
 
 A model's settings are its constructor's type-annotated parameters: `model.dropout=abc` or a
 misspelt `model.hiden_sizes` is refused before the run starts (components.py). The data's facts
-(`input_shape` and `num_classes` of the digits, `vocab_size` and `block_size` of a text) come from
-the data, to a constructor that asks for them by name.
+(`input_shape` and `num_classes` of the digits, `vocab_size` and `block_size` of a text, and
+`num_classes` and `pad` of labelled texts) come from the data, to a constructor that asks for them
+by name.
 
 Build the whole model in the constructor, any new head or frozen layer included: the runner moves
 the model to the device right after building it, and a submodule created after that move would
@@ -66,23 +67,61 @@ class GPT(nn.Module):
     """A small GPT-style language model: token and position embeddings, `depth` transformer blocks
     of causal self-attention, and a head that gives the logits of the next token at each position,
     shaped (batch, sequence, vocab_size). Under strategy=fsdp, `strategy.blocks=[Block]` shards
-    each block as a unit."""
+    each block as a unit.
+
+    Given `num_classes` (a classification data's fact, as the digits give it to MLP), the same body
+    is a classifier: its `features` are pooled over each text's tokens (`pooling`: their `mean`, or
+    the `last` token's, which have seen the whole text through the causal attention), and the head
+    maps them to logits shaped (batch, num_classes). Every other weight keeps its name, so a
+    language model's checkpoint loads into the classifier with `init.ignore=[head.*]`. Texts
+    shorter than the block end in `pad` tokens (a data's fact), which the pooling leaves out; the
+    causal attention keeps them from the features of the tokens before them."""
 
     def __init__(
-        self, vocab_size: int, block_size: int, width: int = 64, depth: int = 2, heads: int = 4, dropout: float = 0.0
+        self,
+        vocab_size: int,
+        block_size: int,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        dropout: float = 0.0,
+        num_classes: int | None = None,
+        pooling: str = "mean",
+        pad: int | None = None,
     ) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width={width} must be a multiple of heads={heads}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling} is none of {', '.join(POOLINGS)}")
+        self.pooling, self.pad = pooling, pad
         self.tokens = nn.Embedding(vocab_size, width)
         self.positions = nn.Embedding(block_size, width)
         self.blocks = nn.Sequential(*(Block(width, heads, dropout) for _ in range(depth)))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.classifies = num_classes is not None
+        self.head = nn.Linear(width, num_classes) if self.classifies else nn.Linear(width, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        features = self.features(tokens)
+        return self.head(self.pool(features, tokens) if self.classifies else features)
+
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The body's output at each position, normed: (batch, sequence, width)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.head(self.norm(self.blocks(self.tokens(tokens) + self.positions(positions))))
+        return self.norm(self.blocks(self.tokens(tokens) + self.positions(positions)))
+
+    def pool(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One vector per text, (batch, width), from the features of its tokens, padding left out."""
+        real = tokens != self.pad if self.pad is not None else torch.ones_like(tokens, dtype=torch.bool)
+        if self.pooling == "mean":
+            weights = real.unsqueeze(-1).to(features.dtype)
+            return (features * weights).sum(1) / weights.sum(1).clamp(min=1)
+        last = real.sum(1).clamp(min=1) - 1  # a text's tokens come first, its padding after them
+        return features[torch.arange(len(features), device=features.device), last]
+
+
+POOLINGS = ("mean", "last")
 
 
 class Block(nn.Module):

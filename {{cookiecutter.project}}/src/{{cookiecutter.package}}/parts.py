@@ -15,6 +15,7 @@ from .config import AmpConfig, Config, TrainerConfig
 from .data import Data, Position
 from .devices import to_device
 from .distributed import World
+from .hooks import Callbacks
 from .monitor import Monitor
 from .precision import Scaler
 from .probe import Probe
@@ -68,6 +69,7 @@ class Run(Evaluable):
     tracker: Tracker
     monitor: Monitor  # optimized_metric's best value, and early stopping
     rng: RandomState
+    callbacks: Callbacks  # the user's, called at the recipe's points (hooks.py)
     step: int = 0  # optimizer steps taken
 
     @classmethod

@@ -15,6 +15,11 @@ never got through are written to a file, with the status the run should have end
 written to that file); if it dies (killed, out of memory), the training process writes what was
 not confirmed, and everything after it, the end of the run included, to the same file, and names
 the models it did not log, which a resume logs.
+
+Files (artifacts, images) go the same way: written by the training process in the checkpoint
+folder's `unsent-files/`, handed over by name, logged by the sender, which deletes each once the
+store has it; kept and retried with the metrics, and named in the spill file when they never got
+through, where they wait, on disk, for `replay`, which deletes them once sent.
 """
 
 import argparse
@@ -22,9 +27,13 @@ import collections
 import contextlib
 import gc
 import importlib.util
+import itertools
 import json
 import logging
+import os
+import posixpath
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -38,12 +47,13 @@ from omegaconf import OmegaConf
 from .config import MlflowConfig, launched_as_main
 from .errors import RunError, first_line
 from .preemption import SIGNALS
-from .unsent import replay_command, spill, spill_path
+from .unsent import STAGING, discard, replay_command, spill, spill_path, staged
 
 log = logging.getLogger(__name__)
 
 HAND_OVER_EVERY = 100  # metrics the training process gathers before passing them on
 CLOSE_SECONDS = 60.0  # how long the end of a run waits for the sender to deliver the rest
+IMAGE_KEY = re.compile(r"[a-zA-Z0-9_\-./ ]+")  # what MLflow's log_image takes as a key, which it checks only then
 
 
 def check_tracking_uri(cfg: MlflowConfig) -> None:
@@ -142,6 +152,56 @@ class Tracker:
         if self._sender is not None:
             self._sender.send({"tags": tags})
 
+    @property
+    def logs(self) -> bool:
+        """Whether this process delivers what it is handed: tracked, and rank 0 (or alone). Other
+        processes, and a run whose store failed at its start, need not render a file at all."""
+        return self._cfg.enabled and self._main and not (self._sender is not None and self._sender.untracked)
+
+    def staging_dir(self) -> Path:
+        """The folder to write a file in before handing it over (log_artifact, log_image): the
+        checkpoint folder's `unsent-files/`, where a file the store did not take stays, for `replay`."""
+        folder = self._spill_dir / STAGING
+        if folder.is_symlink():
+            raise RunError(
+                f"{folder} is a symbolic link, which files for MLflow would be written through; it holds only files "
+                f"of this run's: remove it (rm {folder}) and run again"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        """Hands over `path`, a file written in staging_dir(), to be logged as MLflow's
+        `log_artifact(path, artifact_path)` logs it; returns at once. The file is the tracker's from
+        here: it is deleted once delivered, or at once where it has nowhere to go."""
+        if artifact_path is not None and (  # as MLflow checks it, and only as the file is sent
+            posixpath.normpath(artifact_path) != artifact_path
+            or artifact_path == "."
+            or artifact_path.startswith(("..", "/"))
+        ):
+            raise ValueError(
+                f"artifact_path={artifact_path!r} is no folder of the run's artifacts; give a relative one, such as "
+                f"'figures', or None"
+            )
+        self._hand_over(path, {"artifact_path": artifact_path})
+
+    def log_image(self, path: Path, key: str, step: int) -> None:
+        """Hands over `path`, an image written in staging_dir() (a PNG), to be logged as MLflow's
+        `log_image(image, key=key, step=step)` logs it, in the run's image slider; owned as in
+        log_artifact."""
+        if not IMAGE_KEY.fullmatch(key):
+            raise ValueError(f"the image key {key!r} is not one MLflow takes; use letters, digits, spaces and _ - . /")
+        self._hand_over(path, {"key": key, "step": int(step), "timestamp": int(time.time() * 1000)})
+
+    def _hand_over(self, path: Path, what: dict) -> None:
+        name = os.path.relpath(path, self._spill_dir)
+        staged(self._spill_dir, name)  # a file elsewhere would be deleted once sent: the caller's mistake
+        if self._sender is None or not self.logs:  # not this process's to deliver: nowhere to go
+            discard(self._spill_dir, name)
+        elif not self._sender.send_file({"path": name, **what}):
+            log.warning(f"{path} was handed to MLflow after the end of the run, and is not logged")
+            discard(self._spill_dir, name)
+
     def log_models(self, checkpoints: list[dict], model: dict, example: dict) -> None:
         """Asks the sender to log the model of each of `checkpoints` (name, path, step) as an MLflow
         model of the run, once the metrics before are delivered; `model` builds it (its `_target_`
@@ -220,13 +280,13 @@ class Tracker:
 
 
 class _Handover:
-    """The training process's side of the sender: hands it requests and metrics, as JSON lines,
-    through a pipe, from a thread of its own, so a full pipe never blocks training; reads, from
-    another, its answer to `open`, then how many metrics it has confirmed so far, and that it has
-    ended the run.
+    """The training process's side of the sender: hands it requests, metrics and files, as JSON
+    lines, through a pipe, from a thread of its own, so a full pipe never blocks training; reads,
+    from another, its answer to `open`, then how many metrics and which files it has confirmed so
+    far, and that it has ended the run.
 
-    Metrics, and the end of the run, stay here until confirmed. If the sender dies, those and
-    everything handed over after go to the run's spill file instead, for `replay`.
+    Metrics, files, and the end of the run, stay here until confirmed. If the sender dies, those
+    and everything handed over after go to the run's spill file instead, for `replay`.
     """
 
     def __init__(self) -> None:
@@ -246,6 +306,9 @@ class _Handover:
         self._taken_off = 0
         self._held = threading.Lock()  # _unconfirmed, shared by the writer and the reader
         self._keeping = True  # until the sender answers that the run is untracked: nothing to keep then
+        self._files: dict[int, dict] = {}  # the files handed over and not yet confirmed, by number; under _held
+        self._numbers = itertools.count()
+        self._closed = False  # the end is handed over: nothing after it is read
         self._end: dict | None = None  # the end of the run, once handed over, until confirmed
         self._died: str | None = None  # how the sender ended, once it has died
         self._spilled: tuple[Path, int | None] | None = None  # the spill file, and the first step written to it
@@ -263,6 +326,11 @@ class _Handover:
         return self._answer
 
     @property
+    def untracked(self) -> bool:
+        """The sender has answered, or died, without a run: what is handed over has nowhere to go."""
+        return self._answered.is_set() and (self._answer is None or self._answer["run_id"] is None)
+
+    @property
     def died(self) -> str | None:
         """How the sender ended (its exit code), if it died."""
         return self._died
@@ -271,6 +339,16 @@ class _Handover:
         with self._lock:
             self._hand_over()  # in order with the metrics before it
             self._batches.put(request)
+
+    def send_file(self, what: dict) -> bool:
+        """Hands over a file to deliver (`what`: its path in the checkpoint folder, and how to log
+        it); False once the run is closed, as nothing would read it."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._hand_over()
+            self._batches.put({"file": what, "id": next(self._numbers)})
+        return True
 
     def put(self, metrics: dict[str, float], step: int) -> None:
         timestamp = int(time.time() * 1000)
@@ -292,6 +370,8 @@ class _Handover:
         """Hands over the rest and the end of the run (None: no run was opened), then waits for
         the sender to deliver them, up to `CLOSE_SECONDS`. If it died instead: how, the spill file
         that holds what it left, and the first step there."""
+        with self._lock:
+            self._closed = True
         if end is not None:
             self.send({"end": end})
         self.flush()
@@ -311,9 +391,9 @@ class _Handover:
         return None if self._spilled is None else (self._died, *self._spilled)
 
     def _read(self) -> None:
-        """The answer to `open`, then the count of metrics confirmed, line by line, and "ended",
-        until the sender's output ends: it is done, or dead (then the writer learns it at its next
-        write)."""
+        """The answer to `open`, then the count of metrics confirmed and the number of each file
+        confirmed, line by line, and "ended", until the sender's output ends: it is done, or dead
+        (then the writer learns it at its next write)."""
         for line in self._child.stdout:
             if self._answer is None:
                 self._answer = json.loads(line)
@@ -322,8 +402,13 @@ class _Handover:
                     with self._held:
                         self._keeping = False
                         self._unconfirmed.clear()
+                        self._files.clear()  # the sender deletes them
                 continue
-            if (confirmed := json.loads(line)) == "ended":  # killed after this, logging models, it leaves no end
+            if isinstance(confirmed := json.loads(line), dict):  # a file, delivered or spilled
+                with self._held:
+                    self._files.pop(confirmed["file"], None)
+                continue
+            if confirmed == "ended":  # killed after this, logging models, it leaves no end
                 self._end = None
                 continue
             with self._held:
@@ -344,6 +429,10 @@ class _Handover:
                     with self._held:
                         if self._keeping:
                             self._unconfirmed.extend(item)
+                elif "file" in item:
+                    with self._held:
+                        if self._keeping:
+                            self._files[item["id"]] = item["file"]
                 elif "end" in item:
                     self._end = item
                 try:
@@ -365,7 +454,9 @@ class _Handover:
         with self._held:
             unconfirmed = list(self._unconfirmed)
             self._take_off(len(unconfirmed))
-        self._spill([unconfirmed] if self._end is None else [unconfirmed, self._end])
+            files = [{"file": what} for what in self._files.values()]
+            self._files.clear()
+        self._spill([unconfirmed, *files] if self._end is None else [unconfirmed, *files, self._end])
         if self._spilled is not None:
             log.warning(
                 f"the MLflow sender process died ({how}); this run's metrics go to {self._spilled[0]} from now on, "
@@ -380,12 +471,17 @@ class _Handover:
 
     def _spill(self, items: list) -> None:
         run_id = self.opened()["run_id"]
-        if run_id is None or self.spill_dir is None:
-            return  # untracked: nowhere they were going
+        if run_id is None or self.spill_dir is None:  # untracked: nowhere they were going
+            for item in items:
+                if isinstance(item, dict) and "file" in item:
+                    discard(self.spill_dir, item["file"]["path"])
+            return
         rows = []
         for item in items:
             if isinstance(item, list):
                 rows += [{"run_id": run_id, "key": k, "value": v, "timestamp": t, "step": n} for k, v, t, n in item]
+            elif "file" in item:
+                rows.append({"run_id": run_id, "file": item["file"]})
             elif "end" in item:
                 rows.append({"run_id": run_id, **item["end"]})
         if not rows:
@@ -407,7 +503,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="MLflow delivery for training runs.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("drain", help="internal: the sender process a training run starts")
-    resend = commands.add_parser("replay", help="send metrics that a run could not deliver, and end the run")
+    resend = commands.add_parser("replay", help="send metrics and files that a run could not deliver, and end the run")
     resend.add_argument("file", type=Path, help="an unsent-metrics-<run id>.jsonl file from the checkpoint folder")
     resend.add_argument("--tracking-uri", required=True, help="the store the run logs to, e.g. http://127.0.0.1:5000")
     arguments = parser.parse_args()
@@ -422,13 +518,13 @@ def main() -> None:
         gc.freeze()  # the trainer waits for this exit: spare it shutdown's collections (run.py says more)
         return
     try:
-        sent, ends = replay(arguments.file, arguments.tracking_uri)
+        sent, files, ends = replay(arguments.file, arguments.tracking_uri)
     except Exception as error:  # the store is still down, or is not the run's store
         raise SystemExit(
             f"error: could not replay {arguments.file} into {arguments.tracking_uri} ({first_line(error)}); "
             f"run the same command once the run's store is back: a metric sent twice is stored once"
         ) from None
-    print(f"sent {sent} metrics to {arguments.tracking_uri}")
+    print(f"sent {sent} metrics" + f" and {files} files" * bool(files) + f" to {arguments.tracking_uri}")
     for run_id, outcome in ends.items():
         print(f"run {run_id}: {outcome}")
 

@@ -27,6 +27,7 @@ from .distributed import World
 from .divergence import Divergence
 from .errors import RunError, reported
 from .evaluation import build_metrics, check_wiring, evaluate
+from .hooks import CallbackError, Callbacks
 from .monitor import Monitor
 from .parts import Evaluable, Run
 from .precision import autocast, build_scaler
@@ -92,7 +93,11 @@ def train_in(cfg: Config, world: World) -> dict:
             try:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
-                    result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
+                    try:
+                        result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
+                    except CallbackError as error:  # raised on every process at once (hooks.py)
+                        where, then = checkpoints.on_disk(), checkpoints.continuation()
+                        raise RunError(f"{error}; {where}; fix it, then {then}") from None
                 # Short of max_steps: stopped by a signal, unless early stopping ended it.
                 status = "FINISHED" if run.step >= cfg.trainer.max_steps or run.monitor.stopped else "KILLED"
                 # One stopped to come back logs its models when it ends; one that a signal reached at
@@ -134,7 +139,8 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     wrapped = strategy.wrap(model)
 
     # 6. Optimizer, scheduler and scaler, built on parameters that are already placed; the
-    #    optimizer's groups by optimizer.lr_multipliers (param_groups.py).
+    #    optimizer's groups by optimizer.lr_multipliers (param_groups.py). The callbacks too: one
+    #    whose library is missing stops the run here, not at the first validation.
     optimizer = param_groups.build_optimizer(cfg.optimizer, model)
     scheduler = components.build("scheduler", cfg.scheduler, optimizer=optimizer)
     run = Run.around(
@@ -148,6 +154,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         tracker=Tracker(cfg.mlflow, home, main=world.is_main),
         monitor=Monitor(cfg),
         rng=RandomState(world, cfg.seed),
+        callbacks=Callbacks.built(cfg.callbacks, world),
     )
 
     # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
@@ -165,6 +172,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         "probe": run.probe,
         "tracker": run.tracker,
         "monitor": run.monitor,
+        "callbacks": run.callbacks,
         "rng": run.rng,
     }
     checkpoints = Checkpointer(
@@ -174,6 +182,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         parts,
         ready=lambda: continuity.unsaveable(run),
         saved=lambda step, state: run.tracker.log_checkpoint(state["probe"]["loss"], step),
+        landed=lambda path: run.callbacks.call("on_save_checkpoint", run, path),
     )
     found = checkpoints.restore(cfg.resume)
     if found is not None:
@@ -239,6 +248,8 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss, first = Throughput(run.task.unit), None, run.step
+    stepping = run.callbacks.stepping  # the one check a step pays for callbacks without a per-step hook
+    run.callbacks.call("on_fit_start", run)
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
@@ -250,6 +261,8 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
             divergence.watch(run.step, loss)
             meter.count(run.world.size * counted)
             progress.step()
+            if stepping:
+                run.callbacks.call("on_train_step_end", run, loss)
             if run.step % trainer.log_every_n_steps == 0:
                 divergence.check(checkpoints.standing)
                 value, rates = loss.item(), meter.window()
@@ -278,18 +291,21 @@ def validate(run: Run, loss: float | None) -> dict[str, float]:
         val = evaluate(run, run.val_loader)
         run.tracker.log_metrics(val, run.step)
         run.monitor.validated(run.step, val if loss is None else {**val, "train/loss": loss})
+        run.callbacks.call("on_validation_end", run, run.monitor.latest[1])
     return run.monitor.latest[1]
 
 
 def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdict: str) -> dict:
-    """The final validation and the last save, which must succeed; the run's result, the same
-    on every process (the MLflow run id is rank 0's)."""
+    """The final validation and the last save, which must succeed, then the callbacks' on_fit_end
+    (at a signal too: run.step says where); the run's result, the same on every process (the
+    MLflow run id is rank 0's)."""
     val = validate(run, trained.get("train/loss"))  # no loss when no step was left to train
     run.tracker.log_metrics({key: value for key, value in trained.items() if key.startswith("train/mean_")}, run.step)
     checkpoints.final(run.step)
     if run.monitor.stopped:
         run.tracker.set_tags({"stopped_early": str(run.step)})
         log.info(f"stopped early at step {run.step}: {run.monitor.explain()}")
+    run.callbacks.call("on_fit_end", run, {**trained, **val})
     run_id = run.world.broadcast(run.tracker.run_id)
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
 

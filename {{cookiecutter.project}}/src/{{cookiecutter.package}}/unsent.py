@@ -1,18 +1,24 @@
-"""The file of the metrics that a run could not deliver to MLflow, `unsent-metrics-<run id>.jsonl`
-in its checkpoint folder: written by the sender process when the store fails, and by the training
-process when the sender dies; read by `python -m <package>.tracking replay`. JSON lines, so that
-writing it needs neither MLflow nor torch.
+"""What a run has not delivered to MLflow yet, kept in its checkpoint folder so that it outlives
+the processes: `unsent-metrics-<run id>.jsonl`, the metrics (and the end, and the files) that a run
+could not deliver, written by the sender process when the store fails and by the training process
+when the sender dies, and read by `python -m <package>.tracking replay`; and `unsent-files/`, where
+the training process writes a file (an artifact, an image) before handing it over, and where it
+stays until it is delivered. JSON lines, so that writing the file needs neither MLflow nor torch.
 """
 
+import contextlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from .checkpoint.files import NotPlain, open_plain
+from .checkpoint.files import NotPlain, kind, open_plain, remove
 
 log = logging.getLogger(__name__)
+
+STAGING = "unsent-files"  # in the checkpoint folder: on its file system, and kept with it
 
 
 def spill_path(folder: Path, run_id: str) -> Path:
@@ -41,3 +47,30 @@ def spill(path: Path, rows: Iterable[dict]) -> Path:
 
 def replay_command(spill_file: Path, tracking_uri: str = "<uri>") -> str:
     return f"python -m {__package__}.tracking replay {spill_file} --tracking-uri {tracking_uri}"
+
+
+def staged(folder: Path, name: str) -> Path:
+    """`folder / name`, a file handed over for MLflow, named relative to the checkpoint folder
+    `folder`; refused (ValueError) unless a regular file in its `unsent-files/`, reached through no
+    link that leads out of it: the file is read out to the store and then deleted, and a spill file
+    may have been edited. FileNotFoundError where nothing is there: delivered already."""
+    path = folder / name
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is {'a symbolic link' if stat.S_ISLNK(mode) else kind(mode)}, not a regular file")
+    if folder.resolve() / STAGING not in path.resolve().parents:  # a folder on the way is a link, or ..
+        raise ValueError(f"{path} is not a file in {folder / STAGING}")
+    return path
+
+
+def discard(folder: Path, name: str) -> None:
+    """Deletes the file `name` handed over (staged), and the folder it was written in once that is
+    empty; what is refused, or gone, is left as it is."""
+    try:
+        path = staged(folder, name)
+    except (OSError, ValueError):
+        return
+    remove(path)
+    if path.parent != folder / STAGING:
+        with contextlib.suppress(OSError):  # not empty: another file was written there
+            path.parent.rmdir()

@@ -44,7 +44,7 @@ class Checkpointer:
 
     `ready()` is asked before each save why the state must not be saved (it also measures what the
     checkpoint proves); `saved(step, state)` is told of each checkpoint once it is on disk, from
-    the thread that wrote it. Leaving the `with` block waits for a write still in flight, so that
+    the thread that wrote it; `landed(path)`, from the training thread, once the run knows it is. Leaving the `with` block waits for a write still in flight, so that
     no run ends, or releases its checkpoint folder, while one of its files is half written.
     """
 
@@ -56,10 +56,11 @@ class Checkpointer:
         parts: dict[str, Stateful],
         ready: Callable[[], list[str]],
         saved: Callable[[int, dict], None],
+        landed: Callable[[Path], None] = lambda path: None,
     ) -> None:
         self.cfg, self.world, self.strategy, self.parts = cfg, world, strategy, parts
         self.home, self.settings = Path(cfg.checkpoint.dir), cfg.checkpoint
-        self._ready, self._on_saved = ready, saved
+        self._ready, self._on_saved, self._landed = ready, saved, landed
         self.newest: Path | None = None  # this run's newest checkpoint on disk, or the one it resumed from
         self.source: dict | None = None  # the checkpoint of another run its weights started from (initial.lineage)
         self.failed: SaveError | None = None
@@ -316,6 +317,7 @@ class Checkpointer:
         if self.failed is not None:
             log.warning(f"saving works again: step {step} is saved")
             self.failed = None
+        self._landed(path)
 
 
 def _size(values: Iterable) -> int:
