@@ -17,7 +17,7 @@ PROJECT = "{{ cookiecutter.project }}"
 # Cookiecutter keeps a boolean answer a Python bool, which Jinja renders as True or False.
 IPEX = "{{ cookiecutter.ipex }}" == "True"
 
-IPEX_ONLY_FILES = (Path("src", PACKAGE, "ipex.py"), Path("tests", "test_ipex.py"))
+IPEX_ONLY_FILES = (Path("src", PACKAGE, "engine", "ipex.py"), Path("tests", "test_ipex.py"))
 # Every answer, with the template as given (`_template`: a path or a git URL) and the local
 # checkout baked from (`_repo_dir`), as JSON: a raw string keeps its escapes, and in JSON three
 # double quotes never meet.

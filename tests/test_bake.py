@@ -129,7 +129,7 @@ def test_ipex_is_mentioned_only_when_asked_for(baked: tuple[Path, str, bool]) ->
         # .cruft.json records every answer, this one too (`"ipex": false`), for cruft update.
         assert grep(project, re.compile("ipex", re.IGNORECASE), exclude=Path(".cruft.json")) == []
         return
-    assert (project / "src" / DEFAULT_PACKAGE / "ipex.py").is_file()
+    assert (project / "src" / DEFAULT_PACKAGE / "engine" / "ipex.py").is_file()
     pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
     assert "ipex" in pyproject["project"]["optional-dependencies"]
 
@@ -251,7 +251,7 @@ def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
 def template_version(project: Path) -> str:
     """What the baked project's runs tag as `template.version` (its origin.py, as the MLflow
     sender calls it from the folder a run starts in)."""
-    code = f"from {DEFAULT_PACKAGE}.origin import template_version; print(template_version(Path()))"
+    code = f"from {DEFAULT_PACKAGE}.engine.origin import template_version; print(template_version(Path()))"
     found = subprocess.run(
         [sys.executable, "-c", f"from pathlib import Path; {code}"],
         cwd=project,

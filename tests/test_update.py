@@ -35,7 +35,7 @@ MAKERS = {
     "cruft-create": (["cruft", "create", "-y", "continuum"], "{template}"),
 }
 # The update test's files: the recipe, and the examples' modules the user adds to.
-RECIPE = Path("src", PACKAGE, "train.py")
+RECIPE = Path("src", PACKAGE, "engine", "train.py")
 MODELS = Path("src", PACKAGE, "models.py")
 DATASETS = Path("src", PACKAGE, "datasets.py")
 OWN_FILES = {
@@ -200,10 +200,10 @@ def test_cruft_update_brings_the_templates_change_and_keeps_the_users_own_code(
 
     # The template's next commit: a line at the end of the recipe (a file the user left alone) and
     # one at the top of models.py (far from the user's class).
-    engine = template / "{{cookiecutter.project}}" / "src" / "{{cookiecutter.package}}"
-    with (engine / "train.py").open("a", encoding="utf-8") as file:
+    package = template / "{{cookiecutter.project}}" / "src" / "{{cookiecutter.package}}"
+    with (package / "engine" / "train.py").open("a", encoding="utf-8") as file:
         file.write("\n# {{ cookiecutter.package }}: this line came with cruft update.\n")
-    models = engine / "models.py"
+    models = package / "models.py"
     models.write_text(
         "# The template's own line.\n" + models.read_text(encoding="utf-8"), encoding="utf-8"
     )

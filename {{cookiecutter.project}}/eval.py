@@ -11,14 +11,14 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from {{cookiecutter.package}} import tracking
-from {{cookiecutter.package}}.config import Config  # with the resolvers configs/config.yaml uses
-from {{cookiecutter.package}}.saved_model import take
+from {{cookiecutter.package}}.engine import tracking
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.engine.saved_model import take
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: Config):
-    from {{cookiecutter.package}}.evaluating import main as evaluate  # after the sender starts (run.py says why)
+    from {{cookiecutter.package}}.engine.evaluating import main as evaluate  # after the sender starts (run.py says why)
 
     sys.argv[:] = typed  # Hydra has read the rest: a message that repeats the command repeats it whole
     evaluate(cfg, asked["checkpoint"], Path(HydraConfig.get().runtime.output_dir))

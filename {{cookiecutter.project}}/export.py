@@ -6,13 +6,13 @@ import sys
 
 import hydra
 
-from {{cookiecutter.package}}.config import Config  # with the resolvers configs/config.yaml uses
-from {{cookiecutter.package}}.saved_model import take
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.engine.saved_model import take
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: Config):
-    from {{cookiecutter.package}}.exporting import main as export
+    from {{cookiecutter.package}}.engine.exporting import main as export
 
     export(cfg, asked["checkpoint"], asked["out"], asked["dtype"])
 

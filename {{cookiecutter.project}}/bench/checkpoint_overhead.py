@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from {{cookiecutter.package}}.checkpoint import onefile, resume
-from {{cookiecutter.package}}.checkpoint.background import Snapshot, Writer
-from {{cookiecutter.package}}.checkpoint.home import path_of
-from {{cookiecutter.package}}.checkpoint.schema import FORMAT_VERSION
+from {{cookiecutter.package}}.engine.checkpoint import onefile, resume
+from {{cookiecutter.package}}.engine.checkpoint.background import Snapshot, Writer
+from {{cookiecutter.package}}.engine.checkpoint.home import path_of
+from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION
 
 
 def models() -> dict[str, nn.Module]:

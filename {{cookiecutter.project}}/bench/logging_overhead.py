@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from {{cookiecutter.package}}.train import train
+from {{cookiecutter.package}}.engine.train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -34,12 +34,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.background import Snapshot, Writer
-from {{cookiecutter.package}}.checkpoint.home import path_of
-from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.checkpoint.schema import FORMAT_VERSION
-from {{cookiecutter.package}}.distributed import World
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.background import Snapshot, Writer
+from {{cookiecutter.package}}.engine.checkpoint.home import path_of
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION
+from {{cookiecutter.package}}.engine.distributed import World
 
 
 def timed(times: list[float], work, *arguments, **keywords):

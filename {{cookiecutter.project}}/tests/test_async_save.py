@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.background import Snapshot, Writer
-from {{cookiecutter.package}}.checkpoint.home import path_of
-from {{cookiecutter.package}}.checkpoint.manager import Checkpointer
-from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.errors import SaveError
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.background import Snapshot, Writer
+from {{cookiecutter.package}}.engine.checkpoint.home import path_of
+from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.errors import SaveError
 
 QUIET = "mlflow.enabled=false"
 EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5"]

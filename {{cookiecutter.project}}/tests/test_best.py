@@ -10,11 +10,11 @@ import signal
 import pytest
 from conftest import losses, start
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import home, onefile
-from {{cookiecutter.package}}.checkpoint.home import BEST, SCORES, path_of, steps
-from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.errors import CheckpointError, RunError
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import home, onefile
+from {{cookiecutter.package}}.engine.checkpoint.home import BEST, SCORES, path_of, steps
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError
 
 QUIET = "mlflow.enabled=false"
 

@@ -17,14 +17,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import hold
 
-from {{cookiecutter.package}}.checkpoint import home as checkpoint_home
-from {{cookiecutter.package}}.checkpoint import onefile, sharded
-from {{cookiecutter.package}}.checkpoint.files import write_text
-from {{cookiecutter.package}}.checkpoint.home import claim, set_aside_newer
-from {{cookiecutter.package}}.checkpoint.onefile import save
-from {{cookiecutter.package}}.checkpoint.resume import find, load
-from {{cookiecutter.package}}.checkpoint.schema import FORMAT_VERSION, SHARDED_PARTS, STATE
-from {{cookiecutter.package}}.errors import CheckpointError, RunError, SaveError
+from {{cookiecutter.package}}.engine.checkpoint import home as checkpoint_home
+from {{cookiecutter.package}}.engine.checkpoint import onefile, sharded
+from {{cookiecutter.package}}.engine.checkpoint.files import write_text
+from {{cookiecutter.package}}.engine.checkpoint.home import claim, set_aside_newer
+from {{cookiecutter.package}}.engine.checkpoint.onefile import save
+from {{cookiecutter.package}}.engine.checkpoint.resume import find, load
+from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION, SHARDED_PARTS, STATE
+from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError, SaveError
 
 
 def state(step: int) -> dict:
@@ -424,7 +424,7 @@ def test_a_save_onto_a_full_disk_says_so_and_leaves_the_previous_checkpoint_and_
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.checkpoint.files.open", onto_a_full_disk, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.checkpoint.files.open", onto_a_full_disk, raising=False)
     with pytest.raises(SaveError) as raised:
         save(state(20), tmp_path, keep_last=1)
     assert str(raised.value) == f"could not write {tmp_path / 'step_00000020.pt'} (No space left on device)"

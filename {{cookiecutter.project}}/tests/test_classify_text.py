@@ -11,11 +11,11 @@ import torch
 from conftest import losses
 from test_export import readme_lines
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.data import build_data
 from {{cookiecutter.package}}.datasets import PAD
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.exporting import export, plain
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.data import build_data
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.exporting import export, plain
 from {{cookiecutter.package}}.models import GPT
 
 LABELS = ["code", "comment", "definition", "import"]

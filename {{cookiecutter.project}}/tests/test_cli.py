@@ -20,7 +20,7 @@ import torch
 from conftest import losses, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
+from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
 
 pytestmark = pytest.mark.slow
 

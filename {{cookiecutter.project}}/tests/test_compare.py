@@ -1,4 +1,4 @@
-"""`python -m <package>.compare <run> <run>`: the settings two runs differ in, from their checkpoints
+"""`python -m <package>.engine.compare <run> <run>`: the settings two runs differ in, from their checkpoints
 or MLflow, then their final metrics, for runs named as they were trained or by MLflow id."""
 
 import shutil
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.compare import compare
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.evaluating import evaluate_checkpoint
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.compare import compare
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.evaluating import evaluate_checkpoint
 
 ADAMW = ("name=cmp-adamw", "optimizer.lr=0.001")
 SGD = ("name=cmp-sgd", "optimizer=sgd", "optimizer.lr=0.02")
@@ -86,7 +86,7 @@ def test_the_command_in_the_project_folder_reads_its_own_store_and_checkpoints(m
 
     done, missing = (
         subprocess.run(
-            [sys.executable, "-m", "{{cookiecutter.package}}.compare", "cmp-adamw", other],
+            [sys.executable, "-m", "{{cookiecutter.package}}.engine.compare", "cmp-adamw", other],
             cwd=project,
             capture_output=True,
             text=True,

@@ -6,12 +6,12 @@ import torch
 from conftest import runs_named
 from omegaconf import open_dict
 
-from {{cookiecutter.package}} import components, strategies
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.config import check_values
-from {{cookiecutter.package}}.distributed import World
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.evaluation import check_wiring
+from {{cookiecutter.package}}.engine import components, strategies
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.config import check_values
+from {{cookiecutter.package}}.engine.distributed import World
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.evaluation import check_wiring
 
 PACKAGE = "{{cookiecutter.package}}"
 # Components a user might write, in a module of their own.

@@ -8,8 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from {{cookiecutter.package}}.config import check_values
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine.config import check_values
+from {{cookiecutter.package}}.engine.errors import RunError
 
 PACKAGE = "{{cookiecutter.package}}"
 

@@ -9,10 +9,10 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import nn
 
-from {{cookiecutter.package}}.config import DeviceConfig
-from {{cookiecutter.package}}.devices import DEFAULT_THREADS, audit_placement, describe, resolve_device, set_cpu_threads
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.train import train, train_step
+from {{cookiecutter.package}}.engine.config import DeviceConfig
+from {{cookiecutter.package}}.engine.devices import DEFAULT_THREADS, audit_placement, describe, resolve_device, set_cpu_threads
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.train import train, train_step
 
 META = torch.device("meta")
 # A model that makes its head on first use, on the inputs' device: the placement audit passes it.
@@ -112,7 +112,7 @@ def test_a_device_flag_of_false_is_not_read_as_true(make_cfg, fake_accelerators)
 def test_the_missing_device_fails_before_anything_is_built(make_cfg, fake_accelerators, monkeypatch):
     fake_accelerators()
     built = []
-    monkeypatch.setattr("{{cookiecutter.package}}.components.build", lambda *args, **runtime: built.append(args))
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.components.build", lambda *args, **runtime: built.append(args))
     with pytest.raises(RunError, match="device=xpu was asked for"):
         train(make_cfg("device=xpu"))
     assert built == []
@@ -214,7 +214,7 @@ def test_a_layer_built_in_forward_stops_the_run_after_the_first_step_naming_it(
     (tmp_path / "lazy_head.py").write_text(LAZY)
     monkeypatch.syspath_prepend(str(tmp_path))
     steps = []
-    monkeypatch.setattr("{{cookiecutter.package}}.train.train_step", lambda *args: steps.append(1) or train_step(*args))
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.train.train_step", lambda *args: steps.append(1) or train_step(*args))
     cfg = make_cfg("mlflow.enabled=false", "init.freeze=[stem.*]")
     with open_dict(cfg):
         cfg.model = {"_target_": "lazy_head.LazyHead"}

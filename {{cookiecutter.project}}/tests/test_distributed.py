@@ -19,10 +19,10 @@ import torch.distributed as dist
 from conftest import losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}} import distributed, train
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.data import EpochSampler
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine import distributed, train
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.data import EpochSampler
+from {{cookiecutter.package}}.engine.errors import RunError
 
 # Exact equality across world sizes is not to be had: the two processes sum their gradients in
 # another order than one process does. Over 30 AdamW steps the drift stays far below this.

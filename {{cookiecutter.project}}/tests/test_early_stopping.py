@@ -5,9 +5,9 @@ import math
 import pytest
 from conftest import losses
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.monitor import Monitor
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.monitor import Monitor
 
 # A validation every 5 steps; an improvement must be larger than any the demo makes, so the first
 # validation sets the best and each after it waits: with patience 2 the run stops at step 15.

@@ -11,12 +11,12 @@ from conftest import losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
 from test_tracking import inputs_of
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.home import BEST, path_of
-from {{cookiecutter.package}}.checkpoint.initial import load_weights
-from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.evaluating import evaluate_checkpoint
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.home import BEST, path_of
+from {{cookiecutter.package}}.engine.checkpoint.initial import load_weights
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.evaluating import evaluate_checkpoint
 
 # Judged by the highest val/loss, the best checkpoint is an early one that retention of the newest 2
 # alone would delete (test_best.py).

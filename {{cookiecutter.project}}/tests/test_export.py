@@ -16,13 +16,13 @@ from test_distributed import CPU
 from test_finetune import whole
 from test_sharded import ALONE, Payload, reseal
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.home import BEST, path_of
-from {{cookiecutter.package}}.checkpoint.resume import load
 from {{cookiecutter.package}}.datasets import digits
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.exporting import export
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.home import BEST, path_of
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.exporting import export
 
 
 def readme_lines(marker: str = "load_file") -> str:

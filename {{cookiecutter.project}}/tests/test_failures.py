@@ -18,14 +18,14 @@ import pytest
 import torch
 from conftest import hold, losses, signal_pending, wait_for_exit
 
-from {{cookiecutter.package}} import components
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import home as homes
-from {{cookiecutter.package}}.checkpoint.files import Checksummed
-from {{cookiecutter.package}}.checkpoint.home import NAME, claim
-from {{cookiecutter.package}}.checkpoint.onefile import save
-from {{cookiecutter.package}}.checkpoint.resume import load, newest_valid
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine import components
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import home as homes
+from {{cookiecutter.package}}.engine.checkpoint.files import Checksummed
+from {{cookiecutter.package}}.engine.checkpoint.home import NAME, claim
+from {{cookiecutter.package}}.engine.checkpoint.onefile import save
+from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
+from {{cookiecutter.package}}.engine.errors import RunError
 
 QUIET = "mlflow.enabled=false"
 EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5", "checkpoint.keep_last=3"]
@@ -181,7 +181,7 @@ def onto_a_full_disk(monkeypatch, failing_steps: set[int]) -> None:
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.checkpoint.files.open", open_checkpoint, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.checkpoint.files.open", open_checkpoint, raising=False)
 
 
 def test_a_disk_that_fills_up_mid_run_costs_a_warning_and_saving_resumes_when_it_has_room(
@@ -384,8 +384,8 @@ KILLED_WHILE_ITS_WORKER_WAITS = """
 import os, threading, torch
 import torch.utils.data._utils.worker as torch_worker
 torch_worker.MP_STATUS_CHECK_INTERVAL = 10**6  # torch's own check for a dead run never comes here
-from {{cookiecutter.package}}.config import DeviceConfig
-from {{cookiecutter.package}}.data import evaluation_loader
+from {{cookiecutter.package}}.engine.config import DeviceConfig
+from {{cookiecutter.package}}.engine.data import evaluation_loader
 
 class Pids(torch.utils.data.Dataset):
     def __len__(self):
@@ -433,7 +433,7 @@ def test_a_data_worker_ends_as_soon_as_its_run_is_killed():
 
 RUN_GONE_BEFORE_ITS_WORKER_STARTS = """
 import os, time
-from {{cookiecutter.package}}.data import end_with_the_run
+from {{cookiecutter.package}}.engine.data import end_with_the_run
 
 run = os.getpid()
 if os.fork() == 0:
@@ -459,8 +459,8 @@ def test_a_data_worker_whose_run_ended_while_it_started_ends_too():
 UNDER_A_FORK_SERVER = """
 import multiprocessing, torch
 from torch.utils.data import TensorDataset
-from {{cookiecutter.package}}.config import DeviceConfig
-from {{cookiecutter.package}}.data import evaluation_loader
+from {{cookiecutter.package}}.engine.config import DeviceConfig
+from {{cookiecutter.package}}.engine.data import evaluation_loader
 
 multiprocessing.set_start_method("forkserver")  # the default from Python 3.14 on
 print(sum(len(targets) for (targets,) in evaluation_loader(TensorDataset(torch.arange(64)), 8, 2, DeviceConfig())))

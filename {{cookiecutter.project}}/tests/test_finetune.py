@@ -15,13 +15,13 @@ from test_distributed import CPU, finished, torchrun
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{cookiecutter.package}} import param_groups
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.onefile import seal
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.checkpoint.schema import Checkpoint
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine import param_groups
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.onefile import seal
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.checkpoint.schema import Checkpoint
+from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.models import MLP
 
 QUIET = "mlflow.enabled=false"

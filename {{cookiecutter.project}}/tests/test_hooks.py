@@ -13,10 +13,10 @@ from PIL import Image
 from test_distributed import finished, only_run, store, torchrun
 from test_tasks import LM, PADDED
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.home import path_of, steps
-from {{cookiecutter.package}}.checkpoint.manager import Checkpointer
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.home import path_of, steps
+from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
+from {{cookiecutter.package}}.engine.errors import RunError
 
 QUIET = ["trainer.log_every_n_steps=10", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
 

@@ -1,6 +1,7 @@
 """The package's modules import one another in one direction only: every import counts, those
 inside functions and those only for type checkers included, since each is a dependency a reader
-must follow."""
+must follow. And the package is two places: your components beside `engine/`, which imports none
+of them (configs/ names them by `_target_`) and of which they need only `data.Data`."""
 
 import ast
 from pathlib import Path
@@ -9,6 +10,9 @@ import {{cookiecutter.package}}
 
 PACKAGE = Path({{cookiecutter.package}}.__file__).parent
 NAME = "{{cookiecutter.package}}"
+ENGINE = f"{NAME}.engine"
+# What your side (every module beside engine/) takes from the engine: the type a data component returns.
+PUBLIC = {ENGINE, f"{ENGINE}.data"}
 
 
 def module_name(path: Path) -> str:
@@ -67,10 +71,20 @@ def test_the_walk_sees_the_imports_that_make_a_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert a_circle(edges) == ["a", "b", "c", "a"]
     assert a_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
-    recipe = graph()[f"{NAME}.train"]
-    assert {f"{NAME}.checkpoint.manager", f"{NAME}.parts", f"{NAME}.evaluation"} <= recipe
+    recipe = graph()[f"{ENGINE}.train"]
+    assert {f"{ENGINE}.checkpoint.manager", f"{ENGINE}.parts", f"{ENGINE}.evaluation"} <= recipe
 
 
 def test_no_module_of_the_package_imports_itself_back():
     circle = a_circle(graph())
     assert circle is None, "an import circle: " + " -> ".join(circle)
+
+
+def test_the_engine_imports_none_of_your_modules_and_they_need_only_its_public_part():
+    edges = graph()
+    yours = {module for module in edges if module.count(".") == 1 and module != ENGINE}
+    assert {f"{NAME}.{module}" for module in ("models", "datasets", "tasks", "callbacks", "schedulers")} <= yours
+    reaching = {module: sorted(imported & yours) for module, imported in edges.items() if module.startswith(ENGINE)}
+    assert not {module: names for module, names in reaching.items() if names}, "the engine imports your files"
+    needing = {module: sorted(edges[module] - yours - PUBLIC) for module in yours}
+    assert not {module: names for module, names in needing.items() if names}, "your files import engine internals"

@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.train import train
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.train import train
 
 IPEX_USABLE = (
     torch.__version__.startswith("2.8.") and importlib.util.find_spec("intel_extension_for_pytorch") is not None

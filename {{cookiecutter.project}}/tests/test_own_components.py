@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}}.data import Data
+from {{cookiecutter.package}}.engine.data import Data
 
 
 class Noisy(Dataset):
@@ -148,7 +148,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}}.data import Data
+from {{cookiecutter.package}}.engine.data import Data
 
 
 class Points(Dataset):

@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_distributed import CPU, store
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.remembered import CommandLine, merged
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.remembered import CommandLine, merged
 
 # A small character-level GPT: a run that the defaults (an MLP on the digits) do not build.
 LM = [

@@ -9,14 +9,14 @@ import torch
 from conftest import losses, runs_named
 from torch.utils.data import TensorDataset
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.home import path_of
-from {{cookiecutter.package}}.checkpoint.manager import Checkpointer
-from {{cookiecutter.package}}.checkpoint.onefile import save
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.distributed import World
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.probe import Probe
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.home import path_of
+from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
+from {{cookiecutter.package}}.engine.checkpoint.onefile import save
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.distributed import World
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.probe import Probe
 
 # 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
 STOP_AT, MAX_STEPS = 30, 60

@@ -13,7 +13,7 @@ import pytest
 from conftest import losses, run_cli, runs_named, start
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_met
     client = MlflowClient(server.uri)
     assert client.get_run(run_id).info.status == "RUNNING"
     replayed = subprocess.run(
-        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "replay", str(spill), "--tracking-uri", server.uri],
+        [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "replay", str(spill), "--tracking-uri", server.uri],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     *_, sent, ended_line = replayed.stdout.splitlines()  # before them, MLflow's link to the run it ended

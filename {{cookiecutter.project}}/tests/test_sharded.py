@@ -14,11 +14,11 @@ from conftest import losses, run_cli
 from test_distributed import CPU, finished, only_run, store, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.home import NAME
-from {{cookiecutter.package}}.checkpoint.resume import load
-from {{cookiecutter.package}}.checkpoint.schema import STATE
-from {{cookiecutter.package}}.errors import CheckpointError
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.home import NAME
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
+from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
+from {{cookiecutter.package}}.engine.errors import CheckpointError
 from {{cookiecutter.package}}.models import MLP
 
 ALONE = ["strategy=fsdp", *CPU, "trainer.log_every_n_steps=1"]

@@ -10,8 +10,8 @@ import yaml
 from conftest import copy_project, run_cli, start
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.sweeps import RESULT_FILE, Job, named, summary_table
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.sweeps import RESULT_FILE, Job, named, summary_table
 
 pytestmark = pytest.mark.slow
 

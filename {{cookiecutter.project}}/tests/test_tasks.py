@@ -13,10 +13,10 @@ from omegaconf import open_dict
 from test_distributed import finished, only_run, store, torchrun
 from test_sharded import train_alone
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.devices import to_device
-from {{cookiecutter.package}}.errors import RunError
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.devices import to_device
+from {{cookiecutter.package}}.engine.errors import RunError
 
 # 624 sequences of 64 characters: 562 to train on, 17 batches of 32 an epoch; step 20 is mid-epoch.
 LM = [
@@ -59,7 +59,7 @@ PADDED = """
 import torch
 from torch.utils.data import TensorDataset
 
-from {{cookiecutter.package}}.data import Data
+from {{cookiecutter.package}}.engine.data import Data
 
 
 def padded(count: int = 24, length: int = 16, vocab_size: int = 11) -> Data:
@@ -136,7 +136,7 @@ DICTS = """
 import torch
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}}.data import Data
+from {{cookiecutter.package}}.engine.data import Data
 
 
 class Points(Dataset):

@@ -25,17 +25,17 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from PIL import Image
 
-from {{cookiecutter.package}} import mlflow_store
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.onefile import save
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.config import MlflowConfig
-from {{cookiecutter.package}}.distributed import World
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.mlflow_store import _Sender, connect, experiment_id, replay
-from {{cookiecutter.package}}.provenance import record
-from {{cookiecutter.package}}.tracking import Tracker, check_tracking_uri
-from {{cookiecutter.package}}.unsent import STAGING, spill
+from {{cookiecutter.package}}.engine import mlflow_store
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.onefile import save
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.config import MlflowConfig
+from {{cookiecutter.package}}.engine.distributed import World
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.mlflow_store import _Sender, connect, experiment_id, replay
+from {{cookiecutter.package}}.engine.provenance import record
+from {{cookiecutter.package}}.engine.tracking import Tracker, check_tracking_uri
+from {{cookiecutter.package}}.engine.unsent import STAGING, spill
 
 
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(
@@ -280,7 +280,7 @@ def sender_clock(monkeypatch) -> SenderClock:
         def __getattr__(self, name):
             return getattr(time, name)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.time", Time())
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.time", Time())
     return clock
 
 
@@ -337,7 +337,7 @@ def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_i
 
 
 def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 2.0)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 2.0)
     clock, store = sender_clock(monkeypatch), Store()
 
     def first_call_arrives() -> None:  # due 2 s after the first metric: no end of the run needed
@@ -350,8 +350,8 @@ def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(t
 
 
 def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
 
@@ -380,7 +380,7 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
     rows = [json.loads(line) for line in spill.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 31))
     assert f"30 metrics could not reach MLflow; they are in {spill}" in caplog.text
-    assert f"python -m {{cookiecutter.package}}.tracking replay {spill}" in caplog.text
+    assert f"python -m {{cookiecutter.package}}.engine.tracking replay {spill}" in caplog.text
     run_id = client.create_run(client.create_experiment("replay")).info.run_id
     spilled_for(spill, run_id)
     assert replay(spill, client.tracking_uri) == (30, 0, {})
@@ -460,7 +460,7 @@ def test_replay_into_a_store_without_the_run_says_so_in_one_line(tmp_path):
     )
     store = f"sqlite:///{tmp_path / 'other.db'}"
     replayed = subprocess.run(
-        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "replay", str(spill), "--tracking-uri", store],
+        [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "replay", str(spill), "--tracking-uri", store],
         capture_output=True, text=True,
     )  # fmt: skip
     assert replayed.returncode == 1
@@ -531,8 +531,8 @@ def test_a_file_handed_over_where_nothing_logs_is_deleted_and_a_name_mlflow_refu
 
 
 def test_files_kept_through_an_outage_are_delivered_when_the_store_returns(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.mlflow_store.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
     notes, image = staged(tmp_path, "notes.txt", "kept"), staged(tmp_path, "red.png", image=(5, 3))
@@ -681,7 +681,7 @@ def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down
     rows = [json.loads(line) for line in spill.read_text().splitlines()]
     assert [(row.get("step"), row.get("status")) for row in rows][-1] == (None, "FINISHED")
     assert {row["step"] for row in rows if "step" in row} >= {2}, "what came after the death"
-    assert f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.tracking replay {spill}" in (
+    assert f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.engine.tracking replay {spill}" in (
         caplog.text
     )
     assert client.get_run(run_id).info.status == "RUNNING", "not FINISHED while its metrics are missing"
@@ -695,7 +695,7 @@ def test_a_sender_whose_trainer_is_gone_still_delivers_everything_and_ends_the_r
     """Killed, or done waiting for it (CLOSE_SECONDS), the trainer reads no more confirmations:
     the sender goes on without them."""
     sender = subprocess.Popen(
-        [sys.executable, "-m", "{{cookiecutter.package}}.tracking", "drain"],
+        [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "drain"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     asked = {

@@ -11,16 +11,16 @@ import torch
 from conftest import losses
 from torch.utils.data import Dataset, TensorDataset
 
-from {{cookiecutter.package}} import components, progress
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.data import EpochSampler, Position, batches, build_loader, evaluation_loader
-from {{cookiecutter.package}}.devices import to_device
-from {{cookiecutter.package}}.distributed import World
-from {{cookiecutter.package}}.errors import RunError
-from {{cookiecutter.package}}.evaluation import evaluate
-from {{cookiecutter.package}}.precision import build_scaler
-from {{cookiecutter.package}}.seeding import seed_everything
+from {{cookiecutter.package}}.engine import components, progress
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.data import EpochSampler, Position, batches, build_loader, evaluation_loader
+from {{cookiecutter.package}}.engine.devices import to_device
+from {{cookiecutter.package}}.engine.distributed import World
+from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.evaluation import evaluate
+from {{cookiecutter.package}}.engine.precision import build_scaler
+from {{cookiecutter.package}}.engine.seeding import seed_everything
 
 QUIET = "mlflow.enabled=false"
 

@@ -14,12 +14,12 @@ import pytest
 from test_distributed import CPU
 from test_sharded import reseal
 
-from {{cookiecutter.package}} import train as recipe
-from {{cookiecutter.package}}.checkpoint import sharded
-from {{cookiecutter.package}}.checkpoint.schema import STATE
-from {{cookiecutter.package}}.errors import CheckpointError
-from {{cookiecutter.package}}.exporting import export
-from {{cookiecutter.package}}.saved_model import CHOICES
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
+from {{cookiecutter.package}}.engine.errors import CheckpointError
+from {{cookiecutter.package}}.engine.exporting import export
+from {{cookiecutter.package}}.engine.saved_model import CHOICES
 
 QUIET = "mlflow.enabled=false"
 SHARD = "__0_0.distcp"  # the one shard file of a group of one process

@@ -1,4 +1,4 @@
-"""Ready callbacks (hooks.py says what a callback is), each picked by a file of configs/callbacks/:
+"""Ready callbacks (engine/hooks.py says what a callback is), each picked by a file of configs/callbacks/:
 `callbacks=[confusion_matrix]`, `callbacks=[text_sample]`. Yours go beside them, or in a module
 of your own: a class with any of the hooks, named by `_target_`."""
 
@@ -7,8 +7,6 @@ from typing import Any
 import torch
 
 from .datasets import CHARACTERS, UNKNOWN
-from .evaluation import in_float32, in_step
-from .precision import autocast
 
 
 class ConfusionMatrix:
@@ -31,14 +29,8 @@ class ConfusionMatrix:
 
         if self._counts is None:
             self._counts = MulticlassConfusionMatrix(run.data.facts["num_classes"]).to(run.device)
-        run.model.eval()
-        for batch, counted in in_step(run.val_loader, run, shared=True):
-            inputs, targets = run.task.split(run.place(batch))
-            with autocast(run.amp, run.device):
-                outputs = run.model(inputs)
-            if counted:
-                self._counts.update(in_float32(outputs), targets)
-        run.model.train()
+        for outputs, targets in run.predictions():
+            self._counts.update(outputs, targets)
         counts = self._counts.compute().cpu()  # a collective step under ddp and fsdp: every process's
         self._counts.reset()
         if run.tracker.logs:  # drawn only where it is logged
@@ -93,7 +85,7 @@ class TextSample:
         block_size = run.data.facts["block_size"]
         run.model.eval()
         for _ in range(self.length):
-            with autocast(run.amp, run.device):
+            with run.autocast():
                 logits = run.model(tokens[:, -block_size:])[0, -1].float()
             if self.temperature == 0:
                 chosen = logits.argmax().view(1, 1)

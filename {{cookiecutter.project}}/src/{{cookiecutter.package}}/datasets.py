@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from .data import Data
+from .engine.data import Data
 
 # The split belongs to the dataset, not to the run: changing `seed` must not move samples
 # between training and validation.

@@ -1,5 +1,6 @@
-"""Learning-rate schedules, the components of the `scheduler` group, and how a restore keeps the
-configured hyperparameters: the config decides hyperparameters, the checkpoint carries state.
+"""Learning-rate schedules, the components of the `scheduler` group: each a function of the
+optimizer and its settings, returning a schedule that is a pure function of the step, so that a
+resume recomputes it (the engine's param_groups.py keeps the configured hyperparameters on restore).
 
 Optimizers need no code here: configs/optimizer/ names torch's own with `_target_`, and the run
 gives them the model's parameters once they are on the device.
@@ -8,9 +9,7 @@ gives them the model's parameters once they are on the device.
 import math
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler
-
-from .param_groups import MULTIPLIER
+from torch.optim.lr_scheduler import LambdaLR
 
 
 def constant(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> LambdaLR:
@@ -42,27 +41,3 @@ def _schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, decay) -> Lam
     return LambdaLR(
         optimizer, lambda step: (step + 1) / warmup_steps if step < warmup_steps else decay(step - warmup_steps)
     )
-
-
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The configured hyperparameters of each param group, taken before a restore replaces them."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-
-
-def keep_configured(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, configured: list[dict]) -> None:
-    """After a restore: this run's hyperparameters again, and the lr of this run's schedule at the
-    restored step.
-
-    `Optimizer.load_state_dict` brings back the saved lr, weight decay and flags: without this, a
-    changed `optimizer.lr` on resume would be reported but silently ignored. A schedule that is not
-    a function of the step (not a LambdaLR) keeps the restored lr.
-    """
-    for group, wanted in zip(optimizer.param_groups, configured, strict=True):
-        if not isinstance(scheduler, LambdaLR) and group.get(MULTIPLIER, 1.0) != wanted.get(MULTIPLIER, 1.0):
-            group["lr"] *= wanted[MULTIPLIER] / group[MULTIPLIER]  # a new multiple of a restored lr
-        group.update({key: value for key, value in wanted.items() if key != "lr"})
-    if not isinstance(scheduler, LambdaLR):
-        return
-    scheduler.base_lrs = [wanted["initial_lr"] for wanted in configured]
-    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
-        group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -8,7 +8,8 @@ that multiple of `optimizer.lr`; the schedule scales every group alike, and each
 logged as `train/lr/<group>`, beside `train/lr`, the configured lr as the schedule sets it. The
 groups are made from the config at every start, a resume included, so that the restored optimizer
 state meets the same groups. After the first step, every parameter that trains must be in the
-optimizer: one built later (in a model's `forward`) stops the run.
+optimizer: one built later (in a model's `forward`) stops the run. A restore keeps the configured
+hyperparameters: the config decides them, the checkpoint carries state (`keep_configured`).
 """
 
 import fnmatch
@@ -18,6 +19,7 @@ import re
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from . import components
 from .errors import RunError, listed
@@ -120,3 +122,27 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     if any(group[MULTIPLIER] != 1.0 for group in groups) or len(groups) > 1:
         rates.update({f"train/lr/{group[NAME]}": float(group["lr"]) for group in groups})
     return rates
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The configured hyperparameters of each param group, taken before a restore replaces them."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def keep_configured(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, configured: list[dict]) -> None:
+    """After a restore: this run's hyperparameters again, and the lr of this run's schedule at the
+    restored step.
+
+    `Optimizer.load_state_dict` brings back the saved lr, weight decay and flags: without this, a
+    changed `optimizer.lr` on resume would be reported but silently ignored. A schedule that is not
+    a function of the step (not a LambdaLR) keeps the restored lr.
+    """
+    for group, wanted in zip(optimizer.param_groups, configured, strict=True):
+        if not isinstance(scheduler, LambdaLR) and group.get(MULTIPLIER, 1.0) != wanted.get(MULTIPLIER, 1.0):
+            group["lr"] *= wanted[MULTIPLIER] / group[MULTIPLIER]  # a new multiple of a restored lr
+        group.update({key: value for key, value in wanted.items() if key != "lr"})
+    if not isinstance(scheduler, LambdaLR):
+        return
+    scheduler.base_lrs = [wanted["initial_lr"] for wanted in configured]
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)

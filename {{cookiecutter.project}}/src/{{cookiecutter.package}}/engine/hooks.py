@@ -14,7 +14,8 @@ one. A callback defines any of these, Lightning's names where it has them:
 `run` is the run as a callback sees it (CallbackRun): `run.step`, the run's parts (`run.model`,
 `run.val_loader`, `run.data`, `run.task`, `run.cfg`, `run.world`, ...), and MLflow's own names to
 log through the run's sender: `log_metrics`, `log_figure`, `log_image`, `log_text`, `log_dict`,
-`log_artifact`. Under ddp and fsdp every process calls the hooks (they may take part in
+`log_artifact`; `run.predictions()`, the model's outputs and targets over the validation set, and
+`run.autocast()`, the run's precision, for a callback that runs the model. Under ddp and fsdp every process calls the hooks (they may take part in
 collective steps); what they log is logged once, by rank 0, and the others skip the rendering.
 
 A callback with `state_dict()` and `load_state_dict(state)` is saved in each checkpoint (the
@@ -25,6 +26,8 @@ that names it and its hook, after the last good checkpoint: nothing after the ho
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ from omegaconf import DictConfig
 from . import components
 from .distributed import World
 from .errors import RunError, first_line
+from .evaluation import in_float32, in_step
+from .precision import autocast
 
 HOOKS = ("on_fit_start", "on_train_step_end", "on_validation_end", "on_save_checkpoint", "on_fit_end")
 
@@ -132,6 +137,27 @@ class CallbackRun:
     @property
     def step(self) -> int:
         return self._run.step
+
+    def autocast(self) -> AbstractContextManager:
+        """The run's mixed precision (amp), for a forward of the model's own."""
+        return autocast(self._run.amp, self._run.device)
+
+    @torch.no_grad()
+    def predictions(self) -> Iterator[tuple[Any, Any]]:
+        """The model's outputs (in float32) and the targets, batch by batch, over this process's
+        share of the validation set, in eval mode and the run's precision, as validation sees them.
+        Under fsdp every process takes them all: each forward is a collective step."""
+        run = self._run
+        run.model.eval()
+        try:
+            for batch, counted in in_step(run.val_loader, run, shared=True):
+                inputs, targets = run.task.split(run.place(batch))
+                with self.autocast():
+                    outputs = run.model(inputs)
+                if counted:
+                    yield in_float32(outputs), targets
+        finally:
+            run.model.train()
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Scalars at `run.step`, as the run's own are logged (floats: a tensor costs a host sync)."""

@@ -1,4 +1,4 @@
-"""`python -m {{cookiecutter.package}}.compare <run> <run> [key=value ...]`, from the project's folder: two
+"""`python -m {{cookiecutter.package}}.engine.compare <run> <run> [key=value ...]`, from the project's folder: two
 runs side by side, the settings in which they differ, then the final metrics of each.
 
 A run is named as it was trained (`name=`: its checkpoint home, else the one MLflow run of that

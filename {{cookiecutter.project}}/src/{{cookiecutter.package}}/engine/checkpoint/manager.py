@@ -18,9 +18,9 @@ from ..config import Config
 from ..devices import describe
 from ..distributed import World
 from ..errors import CheckpointError, RunError, SaveError, listed
+from ..param_groups import hyperparameters, keep_configured
 from ..precision import setting
 from ..provenance import library_versions
-from ..schedulers import hyperparameters, keep_configured
 from ..strategies import Single
 from . import compatibility, initial, onefile
 from .background import Snapshot, Writer

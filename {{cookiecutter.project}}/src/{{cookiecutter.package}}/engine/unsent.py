@@ -1,7 +1,7 @@
 """What a run has not delivered to MLflow yet, kept in its checkpoint folder so that it outlives
 the processes: `unsent-metrics-<run id>.jsonl`, the metrics (and the end, and the files) that a run
 could not deliver, written by the sender process when the store fails and by the training process
-when the sender dies, and read by `python -m <package>.tracking replay`; and `unsent-files/`, where
+when the sender dies, and read by `python -m <package>.engine.tracking replay`; and `unsent-files/`, where
 the training process writes a file (an artifact, an image) before handing it over, and where it
 stays until it is delivered. JSON lines, so that writing the file needs neither MLflow nor torch.
 """

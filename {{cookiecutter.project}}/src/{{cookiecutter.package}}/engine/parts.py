@@ -3,7 +3,7 @@ recipe (train.py) in its order, and read by validation and the continuity check;
 them that a validation alone needs (eval.py)."""
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import OmegaConf
@@ -15,14 +15,22 @@ from .config import AmpConfig, Config, TrainerConfig
 from .data import Data, Position
 from .devices import to_device
 from .distributed import World
-from .hooks import Callbacks
 from .monitor import Monitor
 from .precision import Scaler
 from .probe import Probe
 from .seeding import RandomState
 from .strategies import Single
-from .tasks import Supervised
 from .tracking import Tracker
+
+
+class Task(Protocol):
+    """What a `task` component is to the recipe (tasks.py holds the examples, and says more)."""
+
+    unit: str  # what the loss is a mean over, and throughput counts: samples, tokens
+
+    def split(self, batch: Any) -> tuple[Any, Any]: ...
+
+    def loss(self, criterion: nn.Module, outputs: Any, targets: Any) -> tuple[torch.Tensor, int | torch.Tensor]: ...
 
 
 @dataclass
@@ -35,7 +43,7 @@ class Evaluable:
     world: World  # this process among the job's, and its device
     strategy: Single  # how the model is spread over the processes
     data: Data
-    task: Supervised  # what a batch holds for the model, and how its outputs become the loss
+    task: Task  # what a batch holds for the model, and how its outputs become the loss
     val_loader: DataLoader  # this process's share of the validation set
     model: nn.Module  # what is saved, evaluated and audited (under fsdp, sharded in place)
     criterion: nn.Module
@@ -69,7 +77,7 @@ class Run(Evaluable):
     tracker: Tracker
     monitor: Monitor  # optimized_metric's best value, and early stopping
     rng: RandomState
-    callbacks: Callbacks  # the user's, called at the recipe's points (hooks.py)
+    callbacks: Any  # yours, called at the recipe's points: hooks.Callbacks, whose hooks get this run
     step: int = 0  # optimizer steps taken
 
     @classmethod

@@ -4,14 +4,14 @@ side, which never imports MLflow.
 Importing MLflow takes 2 s, and writing a metric into the embedded sqlite store costs about
 0.5 ms of Python even in batches, a third of a demo training step; in the training process, both
 would be paid by training. So everything MLflow is done by a child process (`python -m
-<package>.tracking drain`, in mlflow_store.py). run.py starts it before anything else, so that it
+<package>.engine.tracking drain`, in mlflow_store.py). run.py starts it before anything else, so that it
 imports MLflow while this process imports torch; it opens or continues the run when asked, answers
 its id, then sends the metrics it is handed, in batches, and ends the run. It runs in its own
 session, so Ctrl-C and a killed trainer leave it to finish delivering what it was handed.
 
 A store that is down costs a warning, never the run: metrics wait and are retried, and those that
 never got through are written to a file, with the status the run should have ended with, that
-`python -m <package>.tracking replay` sends later. The sender confirms what it has delivered (or
+`python -m <package>.engine.tracking replay` sends later. The sender confirms what it has delivered (or
 written to that file); if it dies (killed, out of memory), the training process writes what was
 not confirmed, and everything after it, the end of the run included, to the same file, and names
 the models it did not log, which a resume logs.

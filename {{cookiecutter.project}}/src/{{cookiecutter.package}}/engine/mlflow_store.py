@@ -1,5 +1,5 @@
 """Everything that talks to the MLflow store, in the processes that do: the sender process
-a training run starts (`drain`, run as `python -m <package>.tracking drain`), which opens or
+a training run starts (`drain`, run as `python -m <package>.engine.tracking drain`), which opens or
 continues the run and then delivers its metrics and files; the launching process of a sweep
 (its parent run); and `replay`. The training process itself never imports this module, or
 MLflow: the import alone is 2 s of start-up (tracking.py is its side).
