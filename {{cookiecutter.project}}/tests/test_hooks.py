@@ -1,13 +1,14 @@
 """Callbacks by config (hooks.py): what they log reaches the MLflow run, their state resumes with
 the run, under ddp they log once, and one that raises or lacks its library stops the run in one line."""
 
+import re
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import runs_named
+from conftest import PROJECT, runs_named
 from omegaconf import open_dict
 from PIL import Image
 from test_distributed import finished, only_run, store, torchrun
@@ -176,3 +177,21 @@ def test_text_sample_refuses_a_vocabulary_it_cannot_write_before_step_1(make_cfg
     ):
         recipe.train(cfg)
     assert steps(tmp_path / "checkpoints") == []
+
+
+def test_the_readme_callback_logs_its_curve_at_each_validation(make_cfg, client, tmp_path, monkeypatch):
+    """The README's LossCurve ("Callbacks"), as a user's package names it on the command line."""
+    readme = (PROJECT / "README.md").read_text()
+    (block,) = [
+        block
+        for block in re.findall(r"^ *```python\n(.*?)^ *```", readme, re.DOTALL | re.MULTILINE)
+        if "LossCurve" in block
+    ]
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").touch()
+    (tmp_path / "mypkg" / "callbacks.py").write_text("\n".join(line.removeprefix("  ") for line in block.splitlines()))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = recipe.train(
+        make_cfg(*QUIET, "trainer.max_steps=20", "+callbacks.curve._target_=mypkg.callbacks.LossCurve")
+    )
+    assert files(client, result["run_id"], "curves") == ["curves/step_10.png", "curves/step_20.png"]
