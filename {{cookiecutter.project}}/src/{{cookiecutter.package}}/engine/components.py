@@ -1,5 +1,6 @@
-"""Components by `_target_`: the data, task, model, loss, metrics, optimizer, scheduler and callbacks are
-each a class (or a function) that its YAML file names, built with `hydra.utils.instantiate`.
+"""Components by `_target_`: the data, task, model, loss, metrics, optimizer, scheduler and
+callbacks are each a class (or a function) that its YAML file names, built with
+`hydra.utils.instantiate`.
 
 A component's schema is its signature. Before anything is built, every setting is checked against
 the parameters of its `_target_`: a key it does not take is refused with the nearest name, a value

@@ -15,8 +15,9 @@ one. A callback defines any of these, Lightning's names where it has them:
 `run.val_loader`, `run.data`, `run.task`, `run.cfg`, `run.world`, ...), and MLflow's own names to
 log through the run's sender: `log_metrics`, `log_figure`, `log_image`, `log_text`, `log_dict`,
 `log_artifact`; `run.predictions()`, the model's outputs and targets over the validation set, and
-`run.autocast()`, the run's precision, for a callback that runs the model. Under ddp and fsdp every process calls the hooks (they may take part in
-collective steps); what they log is logged once, by rank 0, and the others skip the rendering.
+`run.autocast()`, the run's precision, for a callback that runs the model. Under ddp and fsdp
+every process calls the hooks (they may take part in collective steps); what they log is logged
+once, by rank 0, and the others skip the rendering.
 
 A callback with `state_dict()` and `load_state_dict(state)` is saved in each checkpoint (the
 `callbacks` part, by its name) and resumes with the run. One that raises stops the run in one line

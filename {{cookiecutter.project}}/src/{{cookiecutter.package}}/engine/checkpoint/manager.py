@@ -44,8 +44,9 @@ class Checkpointer:
 
     `ready()` is asked before each save why the state must not be saved (it also measures what the
     checkpoint proves); `saved(step, state)` is told of each checkpoint once it is on disk, from
-    the thread that wrote it; `landed(path)`, from the training thread, once the run knows it is. Leaving the `with` block waits for a write still in flight, so that
-    no run ends, or releases its checkpoint folder, while one of its files is half written.
+    the thread that wrote it; `landed(path)`, from the training thread, once the run knows it is.
+    Leaving the `with` block waits for a write still in flight, so that no run ends, or releases its
+    checkpoint folder, while one of its files is half written.
     """
 
     def __init__(
