@@ -257,7 +257,7 @@ def save_gate(tmp_path: Path) -> Iterator[Callable[..., SaveGate]]:
 
 HOLDER = """
 import os, pathlib, sys
-from {{cookiecutter.package}}.engine.checkpoint.home import claim
+from {{cookiecutter.package}}.engine.checkpoint.claim import claim
 with claim(pathlib.Path(sys.argv[1])):
     if sys.argv[2] == "fork" and os.fork() == 0:  # a child, as a data-loader worker would be
         sys.stdin.read()  # lives on until the test lets go of the holder's stdin

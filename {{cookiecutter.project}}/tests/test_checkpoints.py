@@ -17,10 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import hold
 
+from {{cookiecutter.package}}.engine.checkpoint import dcp_files, onefile, sharded
 from {{cookiecutter.package}}.engine.checkpoint import home as checkpoint_home
-from {{cookiecutter.package}}.engine.checkpoint import onefile, sharded
+from {{cookiecutter.package}}.engine.checkpoint.claim import claim
 from {{cookiecutter.package}}.engine.checkpoint.files import write_text
-from {{cookiecutter.package}}.engine.checkpoint.home import claim, set_aside_newer
+from {{cookiecutter.package}}.engine.checkpoint.home import set_aside_newer
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import find, load
 from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION, SHARDED_PARTS, STATE
@@ -458,7 +459,7 @@ def save_folder(home: Path, step: int, keep_last: int = 3) -> Path:
     """A sharded checkpoint as the processes leave it for rank 0 to complete (written here by one
     process, without a process group): shards in a temporary folder, then `complete`."""
     temporary = sharded.temporary_folder(home, step)
-    writer = sharded.ChecksummingWriter(temporary)
+    writer = dcp_files.ChecksummingWriter(temporary)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
         dcp.save({"model": state(step)["model"]}, storage_writer=writer)

@@ -20,9 +20,10 @@ from conftest import hold, losses, signal_pending, wait_for_exit
 
 from {{cookiecutter.package}}.engine import components
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.checkpoint import home as homes
+from {{cookiecutter.package}}.engine.checkpoint import claim as claiming
+from {{cookiecutter.package}}.engine.checkpoint.claim import claim
 from {{cookiecutter.package}}.engine.checkpoint.files import Checksummed
-from {{cookiecutter.package}}.engine.checkpoint.home import NAME, claim
+from {{cookiecutter.package}}.engine.checkpoint.home import NAME
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError
@@ -269,8 +270,8 @@ def test_a_lock_file_removed_by_a_run_refused_at_start_is_not_taken_for_the_home
     (tmp_path / "run.lock").touch()
     with open(tmp_path / "run.lock", "r+b") as removed:
         (tmp_path / "run.lock").unlink()
-        opened, real = iter([removed]), homes._open_lock
-        monkeypatch.setattr(homes, "_open_lock", lambda folder: next(opened, None) or real(folder))
+        opened, real = iter([removed]), claiming._open_lock
+        monkeypatch.setattr(claiming, "_open_lock", lambda folder: next(opened, None) or real(folder))
         with claim(tmp_path):
             assert (tmp_path / "run.lock").read_text().startswith(f"PID {os.getpid()} on ")
 

@@ -88,3 +88,13 @@ def test_the_engine_imports_none_of_your_modules_and_they_need_only_its_public_p
     assert not {module: names for module, names in reaching.items() if names}, "the engine imports your files"
     needing = {module: sorted(edges[module] - yours - PUBLIC) for module in yours}
     assert not {module: names for module, names in needing.items() if names}, "your files import engine internals"
+
+
+def test_every_module_of_the_package_reads_in_one_sitting():
+    """No module of the package over 400 lines: past that, a concern has grown a second one."""
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules over 400 lines: {long}"

@@ -19,7 +19,7 @@ from test_sharded import ALONE
 from {{cookiecutter.package}}.engine import tracking
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.home import best_of, path_of, step_of
-from {{cookiecutter.package}}.engine.mlflow_store import log_models
+from {{cookiecutter.package}}.engine.logged_models import log_models
 from {{cookiecutter.package}}.engine.preemption import Stopped
 
 PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint is an early one (test_best.py)
@@ -76,7 +76,7 @@ def test_the_sender_readies_model_logging_in_a_thread_while_the_run_trains():
     """torch, MLflow's PyTorch flavor and torch.export's first trace: seconds that the end of a
     short run waited for, done by the sender beside training once it opens a run that logs models."""
     check = (
-        "import sys; from {{cookiecutter.package}}.engine.mlflow_store import prepare_model_logging\n"
+        "import sys; from {{cookiecutter.package}}.engine.logged_models import prepare_model_logging\n"
         "assert 'torch' not in sys.modules\n"
         "prepare_model_logging().join()\n"
         "assert {'mlflow.pytorch', 'torch._dynamo'} <= set(sys.modules), 'not ready'"

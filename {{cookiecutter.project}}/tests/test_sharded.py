@@ -14,7 +14,7 @@ from conftest import losses, run_cli
 from test_distributed import CPU, finished, only_run, store, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint import dcp_files, sharded
 from {{cookiecutter.package}}.engine.checkpoint.home import NAME
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
@@ -43,7 +43,7 @@ class Payload:
 def reseal(folder: Path, name: str) -> None:
     """Gives a changed shard file its new checksum in state.pt, as an attacker who rewrites both would."""
     state = torch.load(folder / STATE, weights_only=True)
-    state["shards"][name] = [(folder / name).stat().st_size, sharded.file_checksum(folder / name)]
+    state["shards"][name] = [(folder / name).stat().st_size, dcp_files.file_checksum(folder / name)]
     torch.save(state, folder / STATE)
 
 

@@ -32,8 +32,9 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.config import MlflowConfig
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.mlflow_store import _Sender, connect, experiment_id, replay
+from {{cookiecutter.package}}.engine.mlflow_store import connect, experiment_id
 from {{cookiecutter.package}}.engine.provenance import record
+from {{cookiecutter.package}}.engine.sender import _Sender, replay
 from {{cookiecutter.package}}.engine.tracking import Tracker, check_tracking_uri
 from {{cookiecutter.package}}.engine.unsent import STAGING, spill
 
@@ -231,7 +232,7 @@ class Store:
 
 
 class SenderClock(queue.Queue):
-    """The sender's queue and its clock (time.monotonic in mlflow_store), in one: time passes only
+    """The sender's queue and its clock (time.monotonic in sender.py), in one: time passes only
     when the test moves it, and only while the sender waits for it, so when the sender sends is the
     test's to decide, not this machine's speed. A get(timeout=...) waits for an item, or for the
     clock to pass the timeout."""
@@ -280,7 +281,7 @@ def sender_clock(monkeypatch) -> SenderClock:
         def __getattr__(self, name):
             return getattr(time, name)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.time", Time())
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.time", Time())
     return clock
 
 
@@ -337,7 +338,7 @@ def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_i
 
 
 def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 2.0)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 2.0)
     clock, store = sender_clock(monkeypatch), Store()
 
     def first_call_arrives() -> None:  # due 2 s after the first metric: no end of the run needed
@@ -350,8 +351,8 @@ def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(t
 
 
 def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
 
@@ -531,8 +532,8 @@ def test_a_file_handed_over_where_nothing_logs_is_deleted_and_a_name_mlflow_refu
 
 
 def test_files_kept_through_an_outage_are_delivered_when_the_store_returns(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.mlflow_store.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
     notes, image = staged(tmp_path, "notes.txt", "kept"), staged(tmp_path, "red.png", image=(5, 3))

@@ -15,7 +15,7 @@ from test_distributed import CPU
 from test_sharded import reseal
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.checkpoint import sharded
+from {{cookiecutter.package}}.engine.checkpoint import dcp_files
 from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
 from {{cookiecutter.package}}.engine.errors import CheckpointError
 from {{cookiecutter.package}}.engine.exporting import export
@@ -52,11 +52,11 @@ def test_a_metadata_naming_a_file_outside_its_folder_is_refused_before_any_read(
     outside = tmp_path / "elsewhere" / SHARD
     outside.parent.mkdir()
     shutil.copy(folder / SHARD, outside)
-    metadata = sharded.read_metadata(folder / sharded.METADATA)
+    metadata = dcp_files.read_metadata(folder / dcp_files.METADATA)
     for stored in metadata.storage_data.values():
         stored.relative_path = f"../../elsewhere/{SHARD}"
-    (folder / sharded.METADATA).write_bytes(pickle.dumps(metadata))
-    reseal(folder, sharded.METADATA)  # as whoever crafted it would: the seal is no signature
+    (folder / dcp_files.METADATA).write_bytes(pickle.dumps(metadata))
+    reseal(folder, dcp_files.METADATA)  # as whoever crafted it would: the seal is no signature
 
     checked = f"checkpoint.verify={verify}"
     with pytest.raises(CheckpointError) as error:
@@ -99,7 +99,7 @@ def test_a_fifo_named_for_a_checkpoint_is_refused_in_one_line_at_once(project, s
     )
 
 
-@pytest.mark.parametrize("name", [STATE, sharded.METADATA, SHARD])
+@pytest.mark.parametrize("name", [STATE, dcp_files.METADATA, SHARD])
 def test_a_fifo_inside_a_sharded_checkpoint_is_refused_in_one_line_at_once(project, folder, name):
     (folder / name).unlink()
     os.mkfifo(folder / name)

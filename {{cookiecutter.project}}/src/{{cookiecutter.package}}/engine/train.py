@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import components, continuity, distributed, param_groups, restarts, strategies
 from .checkpoint import initial
-from .checkpoint.home import claim
+from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values

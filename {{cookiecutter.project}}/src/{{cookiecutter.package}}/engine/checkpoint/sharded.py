@@ -13,12 +13,7 @@ holds as a link, must be a regular file inside it, checked before any is read, w
 checksums (the checksums are in `state.pt`, which whoever crafted the folder rewrote too).
 """
 
-import contextlib
-import io
 import os
-import pickle
-import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,11 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,25 +34,27 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import World
-from ..errors import CheckpointError, SaveError, first_line
+from ..errors import CheckpointError, SaveError
 from . import onefile, schema
 from .background import Snapshot, Writer
+from .dcp_files import (
+    METADATA,
+    ChecksummingWriter,
+    SafePlanner,
+    SafeReader,
+    file_checksum,
+    inside,
+    read_metadata,
+    refuse,
+)
 from .files import (
-    Checksummed,
-    checksum,
     first_failing,
-    kind,
-    load_restricted,
-    mapped,
-    open_regular,
     remove,
     sync_folder,
     temporary,
 )
 from .home import completed, path_of
 from .schema import STATE
-
-METADATA = ".metadata"
 
 
 def save(
@@ -180,7 +174,7 @@ def complete(state: dict, scratch: Path, home: Path, keep_last: int) -> Path:
 def read(path: Path, verify: bool) -> dict:
     """The folder's `state.pt`, checked; with `verify`, its shard files too (not read: `load_into`
     reads them into the model where it is placed)."""
-    if not (state_file := _inside(path, STATE)).is_file():
+    if not (state_file := inside(path, STATE)).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no {STATE}")
     state = onefile.read(state_file, verify)
     schema.check(path, state, sharded=True)
@@ -193,42 +187,16 @@ def _verify(folder: Path, files: dict[str, list[int]]) -> None:
     """Refuses the folder, naming the file, unless every file listed at save is there, whole and
     unchanged, and the metadata is DCP's own."""
     for name, (size, _) in sorted(files.items()):
-        file = _inside(folder, name)
+        file = inside(folder, name)
         if not file.is_file() or file.stat().st_size != size:
             missing = not file.is_file()
-            _refuse(folder, f"its shard file {name} is {'missing' if missing else 'truncated or extended'}")
+            refuse(folder, f"its shard file {name} is {'missing' if missing else 'truncated or extended'}")
     unchanged = {name: (lambda name=name: file_checksum(folder / name) == files[name][1]) for name in sorted(files)}
     if (damaged := first_failing(unchanged)) is not None:
-        _refuse(folder, f"its shard file {damaged} no longer matches the checksum written at save")
+        refuse(folder, f"its shard file {damaged} no longer matches the checksum written at save")
     if METADATA not in files:
-        _refuse(folder, f"it has no {METADATA}")
+        refuse(folder, f"it has no {METADATA}")
     read_metadata(folder / METADATA)
-
-
-def file_checksum(path: Path) -> int:
-    with mapped(path) as view:
-        return checksum(view)
-
-
-def _inside(folder: Path, name: str) -> Path:
-    """`folder / name`, refused unless it resolves, links followed, inside `folder`, to a regular
-    file or to nothing (missing: the caller's to name): a checkpoint may come from anywhere, and
-    what it names must not carry a read out of it (into the weights, and out again by export.py),
-    nor into a FIFO that waits for a writer."""
-    try:
-        found = (folder / name).resolve()
-    except (OSError, RuntimeError) as error:  # a loop of links: RuntimeError before Python 3.13
-        _refuse(folder, f"its {name} cannot be followed ({first_line(error)})")
-    if folder.resolve() not in found.parents:
-        _refuse(folder, f"{name} leads outside its folder")
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISREG(mode := found.stat().st_mode):
-            _refuse(folder, f"its {name} is {kind(mode)}, not a regular file")
-    return folder / name
-
-
-def _refuse(folder: Path, reason: str) -> None:
-    raise CheckpointError(f"{folder} was refused: {reason}; load only checkpoints this project wrote")
 
 
 def load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: schema.Checkpoint) -> None:
@@ -248,7 +216,7 @@ def load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: schema.
     try:
         dcp.load(state, storage_reader=SafeReader(saved.path), planner=SafePlanner())
     except CheckpointException as error:
-        _refuse(saved.path, f"its shards do not load ({first_cause(error)})")
+        refuse(saved.path, f"its shards do not load ({first_cause(error)})")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -279,7 +247,7 @@ def load_model(model: nn.Module, saved: schema.Checkpoint, ignored: set[str]) ->
     try:
         dcp.load({"model": state}, storage_reader=SafeReader(saved.path), planner=SafePlanner())
     except CheckpointException as error:
-        _refuse(saved.path, f"its shards do not load ({first_cause(error)})")
+        refuse(saved.path, f"its shards do not load ({first_cause(error)})")
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
@@ -296,119 +264,3 @@ def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
         for key, entry in entries.items()
         if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
     }
-
-
-def read_metadata(path: Path) -> dcp_metadata.Metadata:
-    """The folder's `.metadata`, rebuilt by the restricted unpickler, and refused unless each file it
-    names for the shards is a file of the folder (_inside)."""
-    folder = path.parent
-    try:
-        with open_regular(_inside(folder, path.name)) as file:
-            metadata = _MetadataUnpickler(file, folder).load()
-    except CheckpointError:
-        raise
-    except Exception as error:  # whatever a damaged pickle raises
-        _refuse(folder, f"its {METADATA} is unreadable ({type(error).__name__})")
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        _refuse(folder, f"its {METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
-    storage = getattr(metadata, "storage_data", None)
-    entries = storage.values() if isinstance(storage, dict) else [None]
-    names = [getattr(entry, "relative_path", None) for entry in entries]
-    if not all(isinstance(name, str) for name in names):
-        _refuse(folder, f"its {METADATA} does not name a file for each of its shards")
-    for name in sorted(set(names)):
-        _inside(folder, name)
-    return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds only what DCP's metadata is made of; any other global (os.system, a class of the
-    attacker's choosing) is refused before it can be called."""
-
-    ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # looks up a tensor layout by name
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-
-    def __init__(self, file: io.BufferedReader, folder: Path) -> None:
-        super().__init__(file)
-        self.folder = folder
-
-    def find_class(self, module: str, name: str) -> object:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            return getattr(dcp_metadata, name)
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise CheckpointError(
-            f"{self.folder} was refused: its {METADATA} asks for {module}.{name}, which is not DCP metadata and could "
-            f"run code; load only checkpoints this project wrote"
-        )
-
-
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer, taking each file's size and CRC-32C from the bytes as it writes them."""
-
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.files: dict[str, list[int]] = {}  # written by this process: name -> [size, CRC-32C]
-        self.fs = _ChecksummingFileSystem(self.files)
-
-
-class _ChecksummingFileSystem(FileSystem):
-    def __init__(self, files: dict[str, list[int]]) -> None:
-        self.files = files
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            written = Checksummed(stream)
-            yield written
-        self.files[Path(path).name] = [written.size, written.crc]
-
-    def rename(self, path, new_path) -> None:  # DCP writes .metadata under a temporary name
-        super().rename(path, new_path)
-        self.files[Path(new_path).name] = self.files.pop(Path(path).name)
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler, and the shards opened
-    as open_regular opens a file: one made a FIFO since read_metadata looked is refused, not waited on."""
-
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.fs = _RegularFiles()
-
-    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
-        # As FileSystemReader.read_metadata finishes it.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _RegularFiles(FileSystem):
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        with open_regular(Path(path)) as stream:
-            yield stream
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor values (learning rates, betas) as plain values only."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        load_restricted(value, "a value beside its shards")  # refused before DCP's own, unrestricted load
-        value.seek(0)
-        super().load_bytes(read_item, value)
