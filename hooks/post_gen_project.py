@@ -7,6 +7,7 @@ Cookiecutter renders this file with Jinja and runs it from the generated project
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from cookiecutter.config import BUILTIN_ABBREVIATIONS
@@ -27,6 +28,10 @@ LOCAL = ("_output_dir", "_repo_dir", "_checkout")
 # An empty marker file is the point of py.typed (PEP 561); any other empty file is a
 # Jinja-conditional file whose condition was false.
 KEEP_EMPTY = frozenset({"py.typed"})
+# The files the README calls yours: `cruft update` leaves them out of the two renders it compares,
+# so it never writes them; the ready components they name live in the engine, which it updates.
+COMPONENTS = ("models", "datasets", "tasks", "callbacks", "schedulers")
+YOURS = [*(f"src/{PACKAGE}/{name}.py" for name in COMPONENTS), "configs"]
 
 
 def main() -> None:
@@ -60,7 +65,7 @@ def record_origin() -> None:
         "checkout": CONTEXT.get("_checkout"),
         "context": {"cookiecutter": {**answers, "_template": template}},
         "directory": None,
-        "skip": [],
+        "skip": YOURS,  # kept by cruft update, which rewrites the rest of the file
     }
     text = json.dumps(state, indent=2, ensure_ascii=False) + "\n"  # as cruft writes it
     Path(".cruft.json").write_text(text, encoding="utf-8")
@@ -93,6 +98,7 @@ def head(checkout: str) -> str | None:
 NEXT_STEPS = f"""
 Created {PROJECT}. Next, as its README says:
   cd {PROJECT}
+  git init && git add -A && git commit -m "Baked"   # cruft update merges against this commit
   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e '.[dev]'
       (torch first, so that you choose the build: CPU, CUDA or XPU; see pytorch.org)
   .venv/bin/python run.py                   # train the demo: seconds on a CPU
@@ -100,9 +106,24 @@ Created {PROJECT}. Next, as its README says:
   .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
       then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning
 """
+# `cruft create` writes `.cruft.json` itself, after this hook, and without the skip list.
+UNDER_CRUFT_CREATE = f"""\
+  Before a first cruft update, add your files to .cruft.json as docs/updating.md shows:
+    "skip": {json.dumps(YOURS)}
+"""
+
+
+def shown_to_a_person() -> bool:
+    """Whether someone watches this bake: a bake by cookiecutter, or by `cruft create`; not one of
+    the two renders that `cruft update` compares and throws away (cruft's bakes all carry
+    `_commit`), each made in a fresh temporary folder of its own."""
+    if "_commit" not in CONTEXT:
+        return True
+    return Path.cwd().parent.parent.resolve() != Path(tempfile.gettempdir()).resolve()
 
 
 if __name__ == "__main__":
     main()
     record_origin()
-    print(NEXT_STEPS)
+    if shown_to_a_person():
+        print(NEXT_STEPS + (UNDER_CRUFT_CREATE if "_commit" in CONTEXT else ""))

@@ -35,6 +35,7 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "{{cookiecutter.project}}"
 JINJA = re.compile(r"\{\{|\{%|\{#")
 # cookiecutter.json copies these verbatim (_copy_without_render): GitHub Actions uses ${{ }}.
 VERBATIM = Path(".github", "workflows")
+IPEX_HEADING = "## Intel Extension for PyTorch (opt-in)"
 
 
 @pytest.fixture(scope="module", params=ANSWERS)
@@ -96,25 +97,41 @@ def test_no_file_is_empty_except_py_typed(baked: tuple[Path, str, bool]) -> None
     assert empty == []
 
 
-def test_the_readme_renders_every_heading_as_a_heading(baked: tuple[Path, str, bool]) -> None:
+@pytest.mark.parametrize(
+    "page",
+    [
+        "README.md",
+        *sorted(path.relative_to(TEMPLATE).as_posix() for path in TEMPLATE.glob("docs/*.md")),
+    ],
+)
+def test_the_readme_and_docs_render_every_heading_as_a_heading(
+    baked: tuple[Path, str, bool], page: str
+) -> None:
     """Whitespace control in the template's Jinja can glue a heading to the line before it, or
     leave a code fence open, and then everything after renders as text or code."""
     project, _, ipex = baked
-    template = (TEMPLATE / "README.md").read_text(encoding="utf-8")
-    expected = [line for line in template.splitlines() if line.startswith("## ")]
-    if not ipex:
-        expected.remove("## Intel Extension for PyTorch (opt-in)")
-    lines = (project / "README.md").read_text(encoding="utf-8").splitlines()
-    headings, in_code = [], False
+    expected = headings((TEMPLATE / page).read_text(encoding="utf-8"))
+    if not ipex and IPEX_HEADING in expected:
+        expected.remove(IPEX_HEADING)
+    assert headings((project / page).read_text(encoding="utf-8")) == expected
+
+
+def headings(text: str) -> list[str]:
+    """A page's headings below its title (which names the project), outside code blocks; fails on
+    a heading glued to the line before it or a code fence never closed."""
+    lines = text.splitlines()
+    found, in_code = [], False
     for number, line in enumerate(lines):
         if line.lstrip().startswith("```"):
             in_code = not in_code
-        elif line.startswith("## ") and not in_code:
-            glued = number > 0 and lines[number - 1] != ""
-            assert not glued, f"{line!r} is glued to the line before it"
-            headings.append(line)
+        elif line.startswith("#") and not in_code:
+            assert number == 0 or lines[number - 1] == "", (
+                f"{line!r} is glued to the line before it"
+            )
+            if line.startswith("##"):
+                found.append(line)
     assert not in_code, "a code fence is never closed"
-    assert headings == expected
+    return found
 
 
 def test_config_defaults_list_picks_the_chosen_device(baked: tuple[Path, str, bool]) -> None:
@@ -238,13 +255,22 @@ def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
         return {line for line in stdout.splitlines() if "::" in line}
 
     # The three collections at once: each pays the start-up of torch and MLflow, not the others'.
-    running = collecting(), collecting("--all"), collecting("-m", "slow")
+    running = collecting(), collecting("--all"), collecting("-m", "slow and not daily")
     default, every, slow = (collected(process) for process in running)
     assert default and slow and default | slow == every and not default & slow
     # Slow by its `project` fixture (a subprocess), not by a marker of its own:
+    assert any(
+        test.startswith("tests/test_untrusted_files.py::test_a_fifo_named_for_a_checkpoint")
+        for test in slow
+    )
+    # A module of the engine's contracts is slow, but for the tests it marks daily:
     assert (
-        "tests/test_tracking.py::test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback"
+        "tests/test_tracking.py::test_a_run_records_only_the_settings_of_the_components_it_chose"
         in slow
+    )
+    assert (
+        "tests/test_resume.py::test_setup_restores_after_the_move_so_every_tensor_lands_on_the_target_device[mlp]"
+        in default
     )
 
 

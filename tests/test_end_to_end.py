@@ -73,7 +73,11 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     )
     # The SLURM tier on its own, in one process: it starts one cluster, where each worker would
     # start its own on the same ports (it skips, saying why, where it cannot start one).
-    run_shown([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "slurm"], project, capsys)
+    run_shown(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "slurm"],
+        project,
+        capsys,
+    )
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,

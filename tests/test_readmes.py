@@ -1,7 +1,8 @@
 """Every command block of both READMEs runs, in the order shown, as a new user would type it: the
 template's README in a copy of the checkout (its quick start bakes there, then `make demo`), the
-generated one in a fresh bake. A README line that stops working fails this test, so the READMEs
-cannot drift from the code.
+generated one in a fresh bake, followed there by each of its docs/ pages in the order the README
+links them (a page's lines use the runs that the README and the pages before it trained). A line
+that stops working fails this test, so the READMEs and the pages cannot drift from the code.
 
 What this machine cannot do as written is adapted by the rules in REWRITES (no network, no GPU,
 2 cores, seconds instead of minutes), and a line that cannot run here at all is listed in SKIPPED
@@ -55,6 +56,20 @@ SKIPPED = {
 }
 
 
+# The generated README is the first screen of the project: what it is and the commands of every
+# day; the rest is in docs/, a page a topic, each linked from it.
+README_LINES = 250
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A row of the README's table of pages: `| [Title](docs/<page>.md) | what it holds |`.
+PAGE_ROW = re.compile(r"^\| \[[^]]+\]\((docs/[^)#]+\.md)\) \|", flags=re.MULTILINE)
+
+
+def linked_pages(readme: str) -> list[str]:
+    """The docs/ pages of the README's table, in its order: a reader's, in which a page may use the
+    runs that the README and the pages before it trained."""
+    return PAGE_ROW.findall(readme)
+
+
 def command_blocks(readme: str) -> list[list[str]]:
     """A README's ```bash blocks in order, each as its lines: continuations joined, comments
     dropped."""
@@ -87,9 +102,10 @@ def adapted(line: str) -> str:
     return scaled(line)
 
 
-def run_readme(readme: str, cwd: Path) -> list[str]:
-    """Run each block of the README in a shell of its own that starts in `cwd` (where its reader
-    stands), so `cd` and `&&` mean what they say; return the lines that ran, as adapted."""
+def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
+    """Run each block of the README (or docs page) in a shell of its own that starts in `cwd`
+    (where its reader stands), so `cd` and `&&` mean what they say; return the lines that ran, as
+    adapted."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     ran = []
@@ -112,7 +128,7 @@ def run_readme(readme: str, cwd: Path) -> list[str]:
             timeout=1800,
             check=False,
         )
-        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+        assert result.returncode == 0, f"{source}:\n{result.stdout}\n{result.stderr}"
     return ran
 
 
@@ -163,11 +179,14 @@ def test_the_template_readme_runs_in_order_in_a_copy_of_the_checkout(tmp_path: P
 
 
 @pytest.mark.slow
-def test_the_generated_readme_runs_in_order_in_a_fresh_bake(
+def test_the_generated_readme_and_its_docs_run_in_order_in_a_fresh_bake(
     bake: Callable[..., Path], tmp_path: Path
 ) -> None:
     project = bake(tmp_path)
-    ran = run_readme((project / "README.md").read_text(), project)
+    readme = (project / "README.md").read_text()
+    ran = run_readme(readme, project)
+    for page in linked_pages(readme):
+        ran += run_readme((project / page).read_text(), project, page)
     assert any("strategy=fsdp" in line for line in ran)
     assert any("hydra/sweeper=search" in line for line in ran)
 
@@ -175,7 +194,8 @@ def test_the_generated_readme_runs_in_order_in_a_fresh_bake(
 def test_every_readme_line_is_run_or_skipped_for_a_stated_reason(
     bake: Callable[..., Path], tmp_path: Path
 ) -> None:
-    readmes = (TEMPLATE / "README.md", bake(tmp_path) / "README.md")
+    project = bake(tmp_path)
+    readmes = (TEMPLATE / "README.md", project / "README.md", *sorted(project.glob("docs/*.md")))
     lines = [
         line for readme in readmes for block in command_blocks(readme.read_text()) for line in block
     ]
@@ -184,3 +204,38 @@ def test_every_readme_line_is_run_or_skipped_for_a_stated_reason(
         assert any(skip in line for line in lines), f"SKIPPED[{skip!r}] ({why}) matches no line"
     for pattern, _, why in REWRITES:
         assert any(re.search(pattern, line) for line in lines), f"{pattern!r} ({why}) is unused"
+
+
+def test_the_generated_readme_is_short_and_links_each_docs_page_whose_links_all_resolve(
+    bake: Callable[..., Path], tmp_path: Path
+) -> None:
+    project = bake(tmp_path)
+    readme = (project / "README.md").read_text()
+    lines = len(readme.splitlines())
+    assert lines <= README_LINES, (
+        f"README.md has {lines} lines: give a topic a docs/ page of its own"
+    )
+    pages = sorted(path.relative_to(project).as_posix() for path in project.glob("docs/*.md"))
+    assert sorted(linked_pages(readme)) == pages, "each docs/ page is one row of the README's table"
+    for document in ["README.md", *pages]:
+        for target in LINK.findall(prose((project / document).read_text())):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (project / document).parent / path if path else project / document
+            assert linked.is_file(), f"{document} links {target}: no file {path}"
+            if anchor:
+                headings = anchors(linked.read_text())
+                assert anchor in headings, f"{document} links {target}: no such heading"
+
+
+def prose(markdown: str) -> str:
+    """A page without its code blocks, whose `#` and `](` are code."""
+    return re.sub(r"^ *```.*?^ *```", "", markdown, flags=re.DOTALL | re.MULTILINE)
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, spaces as hyphens, other
+    punctuation dropped."""
+    headings = re.findall(r"^#+ (.*)$", prose(markdown), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}

@@ -1,8 +1,10 @@
 """A project remembers its template (`.cruft.json`): cruft finds it up to date after a bake, and
-`cruft update` brings the template's later commits into it, the user's own code kept."""
+`cruft update` brings the template's later commits into it and never writes the user's files (the
+record's skip list): the one line docs/updating.md gives updates, lints and tests a project."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,51 +36,82 @@ MAKERS = {
     ),
     "cruft-create": (["cruft", "create", "-y", "continuum"], "{template}"),
 }
-# The update test's files: the recipe, and the examples' modules the user adds to.
-RECIPE = Path("src", PACKAGE, "engine", "train.py")
-MODELS = Path("src", PACKAGE, "models.py")
-DATASETS = Path("src", PACKAGE, "datasets.py")
-OWN_FILES = {
-    Path("configs", "model", "linear.yaml"): f"_target_: {PACKAGE}.models.Linear\n",
-    Path("configs", "data", "shifted_digits.yaml"): (
+# The post-bake message's first line, and its line for `cruft create`, which keeps no skip list.
+NEXT_STEPS = "Created my-trainer. Next, as its README says:"
+SKIP_HINT = "Before a first cruft update, add your files to .cruft.json as docs/updating.md shows:"
+# The files the README calls yours, which `.cruft.json`'s skip list keeps out of every update.
+KINDS = ("models", "datasets", "tasks", "callbacks", "schedulers")
+YOURS = [*(f"src/{PACKAGE}/{kind}.py" for kind in KINDS), "configs"]
+# What a user adds to each of them, before the ready components moved into the engine: code
+# appended to the module that then held the ready ones, using what that module imports (the
+# update must leave it as it is), and configs that name it.
+OWN_CODE = {
+    "models": '''
+
+class WideMLP(MLP):
+    """The MLP with one wide hidden layer."""
+
+    def __init__(self, input_shape: list[int], num_classes: int, width: int = 96) -> None:
+        super().__init__(input_shape, num_classes, [width])
+''',
+    "datasets": '''
+
+def shifted_digits(val_fraction: float, shift: float) -> Data:
+    """The digits with every training pixel raised by `shift`."""
+    data = digits(val_fraction)
+    images, targets = data.train.tensors
+    return Data(TensorDataset(images + shift, targets), data.val, **data.facts)
+''',
+    "tasks": '''
+
+class Halved(Supervised):
+    """The supervised loss, halved."""
+
+    def loss(self, criterion: nn.Module, outputs: Any, targets: Any) -> tuple[torch.Tensor, Any]:
+        loss, count = super().loss(criterion, outputs, targets)
+        return loss / 2, count
+''',
+    "callbacks": '''
+
+class Note:
+    """Notes each validation's step and how many samples the model's predictions covered."""
+
+    def on_validation_end(self, run: Any, metrics: dict[str, float]) -> None:
+        seen = sum(len(targets) for _, targets in run.predictions())
+        with open("note.txt", "a") as note:
+            note.write(f"{run.step} {seen}\\n")
+''',
+    "schedulers": '''
+
+def linear(optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
+    """A linear decay from `optimizer.lr` to 0 at `total_steps`."""
+    return _schedule(optimizer, 0, lambda after: max(0.0, 1 - after / total_steps))
+''',
+}
+OWN_CONFIGS = {
+    Path("configs", "model", "wide.yaml"): f"_target_: {PACKAGE}.models.WideMLP\nwidth: 48\n",
+    Path("configs", "data", "shifted.yaml"): (
         f"_target_: {PACKAGE}.datasets.shifted_digits\n"
         "val_fraction: 0.2\nshift: 0.5\nbatch_size: 64\nnum_workers: 0\n"
     ),
+    Path("configs", "task", "halved.yaml"): f"_target_: {PACKAGE}.tasks.Halved\n",
+    Path("configs", "scheduler", "linear.yaml"): (
+        f"_target_: {PACKAGE}.schedulers.linear\ntotal_steps: ${{trainer.max_steps}}\n"
+    ),
+    Path("configs", "callbacks", "note.yaml"): f"note:\n  _target_: {PACKAGE}.callbacks.Note\n",
     Path("configs", "experiment", "mine.yaml"): (
         "# @package _global_\n"
-        "defaults:\n  - override /model: linear\n  - override /data: shifted_digits\n\n"
-        "name: mine\n\n"
-        f"hydra:\n  callbacks:\n    note:\n      _target_: {PACKAGE}.my_callbacks.Note\n"
-    ),
-    Path("src", PACKAGE, "my_callbacks.py"): (
-        '"""Leaves a note when a run ends."""\n\n'
-        "from pathlib import Path\n\n"
-        "from hydra.experimental.callback import Callback\n\n\n"
-        "class Note(Callback):\n"
-        "    def on_job_end(self, config, job_return, **kwargs):\n"
-        '        Path("note.txt").write_text(job_return.status.name)\n'
+        "defaults:\n"
+        "  - override /model: wide\n  - override /data: shifted\n  - override /task: halved\n"
+        "  - override /scheduler: linear\n  - override /callbacks: [note]\n\n"
+        "name: mine\n"
     ),
 }
-OWN_MODEL = '''
-
-class Linear(nn.Module):
-    """One linear layer over the flattened sample."""
-
-    def __init__(self, input_shape: list[int], num_classes: int) -> None:
-        super().__init__()
-        self.head = nn.Linear(math.prod(input_shape), num_classes)
-
-    def forward(self, inputs):
-        return self.head(inputs.flatten(1))
-'''
-OWN_DATA = '''
-
-def shifted_digits(val_fraction: float, shift: float, test_fraction: float = 0.0) -> Data:
-    """The digits with every training pixel raised by `shift`."""
-    data = digits(val_fraction, test_fraction)
-    images, targets = data.train.tensors
-    return Data(TensorDataset(images + shift, targets), data.val, data.test, **data.facts)
-'''
+# The documented update's fast tests, cut to the file that holds your files and the engine to
+# their rules: the template's end-to-end test runs the generated suite whole, and this test runs
+# the user's own components.
+FAST_TESTS = "python -m pytest -x -q"
+SOME_FAST_TESTS = f"{FAST_TESTS} -p no:cacheprovider tests/test_imports.py"
 
 
 def git(folder: Path, *arguments: str) -> str:
@@ -150,11 +183,17 @@ def test_a_bake_records_the_template_and_its_commit_which_cruft_checks(
         ),
         encoding="utf-8",
     )
-    typed([part.format(config=config, template=template) for part in command], folder)
+    baked = typed([part.format(config=config, template=template) for part in command], folder)
     project = folder / "my-trainer"
     state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
     expected = recorded.format(template=template)
     assert (state["template"], state["commit"]) == (expected, git(template, "rev-parse", "HEAD"))
+    # What to type next, once; `cruft create` writes .cruft.json itself, without the skip list.
+    assert baked.stdout.count(NEXT_STEPS) == 1
+    if command[0] == "cruft":
+        assert "skip" not in state and baked.stdout.count(SKIP_HINT) == 1
+    else:
+        assert state["skip"] == YOURS and SKIP_HINT not in baked.stdout
     answers = state["context"]["cookiecutter"]
     assert (answers["project"], answers["package"], answers["_template"]) == (
         "my-trainer",
@@ -181,56 +220,143 @@ def test_a_template_inside_another_repository_bakes_with_a_null_commit(
     assert json.loads((project / ".cruft.json").read_text(encoding="utf-8"))["commit"] is None
 
 
+def before_the_move(template: Path) -> str:
+    """Commits the template as it was before the engine held the ready components: their code in
+    the user's files (its imports of the engine spelled from there), no engine/ready/, and no
+    module at the old path of the engine's data; returns the commit."""
+    package = template / "{{cookiecutter.project}}" / "src" / "{{cookiecutter.package}}"
+    ready = package / "engine" / "ready"
+    for kind in KINDS:
+        code = (
+            (ready / f"{kind}.py").read_text(encoding="utf-8").replace("from ..", "from .engine.")
+        )
+        (package / f"{kind}.py").write_text(code, encoding="utf-8")
+    shutil.rmtree(ready)
+    (package / "data.py").unlink()
+    return commit_all(template, "The ready components in the user's files")
+
+
+def after_the_move(template: Path, layout: str) -> str:
+    """Commits the template of `layout` (a commit) again, with a change of its own to a config
+    file: what `cruft update` would write if configs/ were not the user's; returns the commit."""
+    git(template, "checkout", layout, "--", ".")
+    config = template / "{{cookiecutter.project}}" / "configs" / "config.yaml"
+    with config.open("a", encoding="utf-8") as file:
+        file.write("# The template's later line.\n")
+    return commit_all(template, "The ready components in the engine")
+
+
+def yours(project: Path) -> dict[str, bytes]:
+    """The bytes of every file of the user's: the five modules and all of configs/."""
+    files = [project / "src" / PACKAGE / f"{kind}.py" for kind in KINDS]
+    files += sorted(path for path in (project / "configs").rglob("*") if path.is_file())
+    return {str(path.relative_to(project)): path.read_bytes() for path in files}
+
+
+def add_own_code(project: Path) -> None:
+    """The user's model, data, task, callback, schedule, and configs that name them."""
+    for kind, code in OWN_CODE.items():
+        with (project / "src" / PACKAGE / f"{kind}.py").open("a", encoding="utf-8") as file:
+            file.write(code)
+    for path, text in OWN_CONFIGS.items():
+        (project / path).write_text(text, encoding="utf-8")
+
+
+def update_line(project: Path) -> str:
+    """docs/updating.md's line that updates the project, lints it and runs its fast tests, here
+    with fewer of them."""
+    page = (project / "docs" / "updating.md").read_text(encoding="utf-8")
+    line = next(line for line in page.splitlines() if line.startswith("cruft update -y && "))
+    line = line.partition("  #")[0].strip()
+    assert line.endswith(FAST_TESTS), line
+    return line.removesuffix(FAST_TESTS) + SOME_FAST_TESTS
+
+
 @pytest.mark.slow
-def test_cruft_update_brings_the_templates_change_and_keeps_the_users_own_code(
+def test_the_documented_update_leaves_the_users_files_byte_for_byte_and_the_project_passes(
     bake: Bake, template: Path
 ) -> None:
+    """Baked while the ready components were in the user's files, the user's own code added to
+    each, then updated to the template that moved them into the engine: the update writes none of
+    the user's files (`.cruft.json`'s skip list), so the code that leans on what those files held
+    and imported runs as before; the engine's change arrives, and the lint and tests pass."""
+    layout = git(template, "rev-parse", "HEAD")
+    before_the_move(template)
     project = bake(template.parent / "out", template=template)
     git(project, "init", "-q")
     commit_all(project, "Baked")
-    # The user's own model, data, experiment and callback: new files, and classes added to the
-    # examples' modules.
-    for path, text in OWN_FILES.items():
-        (project / path).write_text(text, encoding="utf-8")
-    for path, added in ((MODELS, OWN_MODEL), (DATASETS, OWN_DATA)):
-        with (project / path).open("a", encoding="utf-8") as file:
-            file.write(added)
-    own = {path: (project / path).read_text(encoding="utf-8") for path in [*OWN_FILES, DATASETS]}
-    commit_all(project, "My model, data, experiment and callback")
+    add_own_code(project)
+    commit_all(project, "My model, data, task, callback, schedule and configs")
+    own = yours(project)
+    new = after_the_move(template, layout)
 
-    # The template's next commit: a line at the end of the recipe (a file the user left alone) and
-    # one at the top of models.py (far from the user's class).
-    package = template / "{{cookiecutter.project}}" / "src" / "{{cookiecutter.package}}"
-    with (package / "engine" / "train.py").open("a", encoding="utf-8") as file:
-        file.write("\n# {{ cookiecutter.package }}: this line came with cruft update.\n")
-    models = package / "models.py"
-    models.write_text(
-        "# The template's own line.\n" + models.read_text(encoding="utf-8"), encoding="utf-8"
+    environment = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(project / "src"),
+        "PWD": str(project),
+    }
+    updated = subprocess.run(
+        ["bash", "-c", update_line(project)],
+        cwd=project,
+        env=environment,
+        capture_output=True,
+        text=True,
     )
-    new = commit_all(template, "The engine changes")
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert NEXT_STEPS not in updated.stdout  # the two renders cruft compares are no one's bakes
 
-    typed(["cruft", "update", "-y"], project)
-
-    changed = {line[3:] for line in git(project, "status", "--porcelain").splitlines()}
-    assert changed == {".cruft.json", str(RECIPE), str(MODELS)}
+    assert yours(project) == own
     assert git(project, "diff", "--name-only", "--diff-filter=U") == ""  # no file left unmerged
     assert not list(project.rglob("*.rej"))
-    recipe = (project / RECIPE).read_text(encoding="utf-8")
-    assert recipe.endswith(f"\n# {PACKAGE}: this line came with cruft update.\n")
-    assert "<<<<<<<" not in recipe
-    assert (project / MODELS).read_text(encoding="utf-8").startswith("# The template's own line.\n")
-    assert (project / MODELS).read_text(encoding="utf-8").endswith(OWN_MODEL)
-    assert {path: (project / path).read_text(encoding="utf-8") for path in own} == own
-    assert json.loads((project / ".cruft.json").read_text(encoding="utf-8"))["commit"] == new
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    assert (state["commit"], state["skip"]) == (new, YOURS)
+    assert (project / "src" / PACKAGE / "engine" / "ready" / "models.py").is_file()
 
-    # The updated project runs the user's experiment, and its own import check passes.
-    environment = {**os.environ, "PYTHONPATH": str(project / "src")}
-    for command in (
-        ["run.py", "experiment=mine", "trainer.max_steps=5", "mlflow.enabled=false"],
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_imports.py"],
-    ):
-        result = subprocess.run(
-            [sys.executable, *command], cwd=project, env=environment, capture_output=True, text=True
-        )
-        assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
-    assert (project / "note.txt").read_text(encoding="utf-8") == "COMPLETED"
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "experiment=mine",
+            "device=cpu",
+            "trainer.max_steps=4",
+            "trainer.val_every_n_steps=2",
+            "mlflow.enabled=false",
+        ],
+        cwd=project,
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, f"{ran.stdout}\n{ran.stderr}"
+    assert (project / "note.txt").read_text(encoding="utf-8") == "2 359\n4 359\n"
+
+
+@pytest.mark.slow
+def test_a_project_without_a_skip_list_takes_the_docs_one_and_the_update_leaves_its_files(
+    template: Path,
+) -> None:
+    """`cruft create` writes no skip list, nor did a bake before the template kept one: the list
+    docs/updating.md gives, added to `.cruft.json`, keeps an update off the user's files."""
+    layout = git(template, "rev-parse", "HEAD")
+    before_the_move(template)
+    folder = template.parent
+    typed(["cruft", "create", "-y", "continuum"], folder)
+    project = folder / "my-trainer"
+    state_file = project / ".cruft.json"
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    page = (project / "docs" / "updating.md").read_text(encoding="utf-8")
+    listed = re.search(r"^```json\n(.*?)^```", page, flags=re.DOTALL | re.MULTILINE)
+    state["skip"] = json.loads("{" + listed[1] + "}")["skip"]
+    state_file.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    git(project, "init", "-q")
+    add_own_code(project)
+    commit_all(project, "Baked, my code added, my files out of the updates")
+    own = yours(project)
+    after_the_move(template, layout)
+
+    updated = typed(["cruft", "update", "-y"], project)
+    assert NEXT_STEPS not in updated.stdout
+    assert yours(project) == own
+    assert (project / "src" / PACKAGE / "engine" / "ready" / "models.py").is_file()
+    assert json.loads(state_file.read_text(encoding="utf-8"))["skip"] == YOURS

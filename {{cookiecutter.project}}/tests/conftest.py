@@ -36,9 +36,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that runs `python run.py` in a subprocess (the `project` fixture) is slow: each pays
-    the start-up of a fresh interpreter. Slow tests run with `--all`, or when `-m` picks them; the
-    SLURM tier only with `-m slurm`."""
+    """`pytest` is your daily loop: your components' wiring and checks, one short training that
+    stops and resumes bit for bit, an export, and the engine's fastest contracts. `pytest --all`
+    (what CI runs) adds the tests marked slow: the modules of the engine's other contracts (their
+    `pytestmark`, less the tests marked daily), and every test that runs `python run.py` in a
+    subprocess (the `project` fixture: each pays a fresh interpreter's start-up). `-m` picks tests
+    by mark; the SLURM tier runs only with `-m slurm`. A test file you add is in the daily loop."""
     for item in items:
         if "project" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
@@ -49,9 +52,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.get_closest_marker("slurm")]
     if config.getoption("--all") or config.option.markexpr:
         return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    daily, beyond = [], []
+    for item in items:
+        (daily if item.get_closest_marker("daily") or not item.get_closest_marker("slow") else beyond).append(item)
+    config.hook.pytest_deselected(items=beyond)
+    items[:] = daily
 
 
 @pytest.fixture(scope="session")

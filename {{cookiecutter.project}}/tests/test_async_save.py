@@ -17,6 +17,8 @@ from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import SaveError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = "mlflow.enabled=false"
 EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5"]
 

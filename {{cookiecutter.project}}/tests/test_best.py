@@ -16,6 +16,8 @@ from {{cookiecutter.package}}.engine.checkpoint.home import BEST, SCORES, path_o
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = "mlflow.enabled=false"
 
 # Saves at 10, 20, 30 and 40; scheduled validations at 20 and 40 only, so 10 and 30 validate for
@@ -227,3 +229,33 @@ def test_best_linked_to_a_binary_file_names_no_checkpoint_in_one_line(make_cfg, 
         str(error.value)
         == f"{tmp_path / 'other' / BEST} names no checkpoint that is still there; pass another checkpoint"
     )
+
+
+# Another run's ranking where this run's ought to be: by a link (`ln -s`, `ln`) or a copy (`cp`).
+ANOTHER_RUNS = {
+    "a symbolic link": lambda theirs, ours: ours.symlink_to(theirs),
+    "a hard link": lambda theirs, ours: os.link(theirs, ours),
+    "a copy": lambda theirs, ours: ours.write_bytes(theirs.read_bytes()),
+}
+
+
+@pytest.mark.parametrize("put", ANOTHER_RUNS)
+def test_another_runs_ranking_in_the_home_never_costs_the_true_best(make_cfg, checkpoint_dir, tmp_path, caplog, put):
+    recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS))
+    best = ranked_best(checkpoint_dir)
+    assert best[0] == path_of(checkpoint_dir, 10).name and saved_steps(checkpoint_dir) == [10, 40]
+    other = tmp_path / "other"  # ranked the other way, and so naming its step 40 only
+    recipe.train(make_cfg(QUIET, "name=other", f"checkpoint.dir={other}", "checkpoint.keep_last=1"))
+    theirs = (other / SCORES).read_bytes()
+    assert list(json.loads(theirs)["scores"]) == [path_of(other, 40).name]
+    (checkpoint_dir / SCORES).unlink()
+    ANOTHER_RUNS[put](other / SCORES, checkpoint_dir / SCORES)
+    with caplog.at_level(logging.WARNING):
+        recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, "trainer.max_steps=60", "resume=last"))
+    assert saved_steps(checkpoint_dir) == [10, 60]
+    assert ranked_best(checkpoint_dir) == best, "byte for byte"
+    ranked = json.loads((checkpoint_dir / SCORES).read_text())["scores"]
+    assert ranked.keys() == {best[0], path_of(checkpoint_dir, 60).name}
+    assert (other / SCORES).read_bytes() == theirs, "the other run's ranking is read, never written"
+    rebuilt = f"{checkpoint_dir / SCORES} is {put}: the checkpoints are ranked again by the scores they hold"
+    assert (rebuilt in caplog.text) == (put != "a copy")  # a copy reads as a ranking, one that misses the best

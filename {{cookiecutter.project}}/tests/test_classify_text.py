@@ -1,22 +1,26 @@
 """experiment=classify_text: a char_lm run's GPT fine-tuned into a classifier of lines of text (the
 same body, its features pooled, a new head), stopped and resumed, exported, and classifying a
-string through the README's lines; the text_folder data's refusals."""
+string through the lines of docs/fine-tuning.md; the text_folder data's refusals."""
 
 import logging
+import os
 import re
 import signal
 
 import pytest
 import torch
 from conftest import losses
-from test_export import readme_lines
+from test_export import docs_lines
+from test_untrusted_files import ended
 
-from {{cookiecutter.package}}.datasets import PAD
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data import build_data
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.exporting import export, plain
+from {{cookiecutter.package}}.engine.ready.datasets import PAD
 from {{cookiecutter.package}}.models import GPT
+
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
 LABELS = ["code", "comment", "definition", "import"]
 
@@ -44,8 +48,8 @@ def test_a_char_lm_run_fine_tunes_into_a_classifier_that_resumes_exports_and_nam
     export(cfg(*common), "last", tmp_path / "model.safetensors", "fp32")
     monkeypatch.chdir(tmp_path)
     lines = {}
-    exec(readme_lines(), lines)
-    exec(readme_lines('described["data"]'), lines)  # the README's lines that classify a string
+    exec(docs_lines(), lines)
+    exec(docs_lines('described["data"]'), lines)  # the lines of docs/fine-tuning.md that classify a string
     assert lines["label"] in LABELS
     assert capsys.readouterr().out.splitlines()[-1] == lines["label"]
     assert lines["data"]["labels"] == LABELS
@@ -76,18 +80,42 @@ def test_padding_changes_no_class_score(pooling):
         ({"notes.csv": "a\n"}, "holds no <label>.txt file, and a classifier needs two labels"),
         ({"good.txt": "fine\n"}, "holds only good.txt, and a classifier needs two labels"),
         ({"good.txt": "fine\n", "bad.txt": "\n  \n"}, "bad.txt holds no example (one a line)"),
+        (
+            {"good.txt": "fine\n", "x.txt": None},  # None: a folder of that name
+            "cannot read {folder}/x.txt (it is a folder, not a file); put a readable file there, or move it out of "
+            "the data's folder",
+        ),
     ],
-    ids=["missing", "empty", "no-txt", "one-label", "blank-label"],
+    ids=["missing", "empty", "no-txt", "one-label", "blank-label", "folder-label"],
 )
 def test_a_folder_without_two_labelled_files_is_one_line_naming_it_and_the_fix(make_cfg, tmp_path, files, said):
     folder = tmp_path / "texts"
     if files is not None:
         folder.mkdir()
         for name, text in files.items():
-            (folder / name).write_text(text)
-    with pytest.raises(RunError, match=re.escape(said)) as refused:
+            if text is None:
+                (folder / name).mkdir()
+            else:
+                (folder / name).write_text(text)
+    with pytest.raises(RunError, match=re.escape(said.format(folder=folder))) as refused:
         build_data(make_cfg("data=text_folder", f"data.dir={folder}").data)
     assert str(folder) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_label_file_that_is_a_fifo_is_refused_in_one_line_at_once_and_the_home_is_let_go(project, tmp_path):
+    """Read as a file, a FIFO waits for a writer that may never come, the run's home locked meanwhile
+    (`ended` kills a run that waits: the test fails instead of hanging)."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "good.txt").write_text("fine\n" * 10)
+    os.mkfifo(texts / "bad.txt")
+    result = ended(project, "run.py", "data=text_folder", f"data.dir={texts}", "model=gpt", "mlflow.enabled=false")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"error: data ({{cookiecutter.package}}.datasets.text_folder): cannot read {texts / 'bad.txt'} (it is a FIFO, "
+        f"not a file); put a readable file there, or move it out of the data's folder"
+    )
+    assert not (project / "checkpoints").exists(), "the home it claimed and locked is let go"
 
 
 def test_a_folder_of_labelled_lines_gives_classes_by_label_name_and_the_facts_export_writes(make_cfg, tmp_path):

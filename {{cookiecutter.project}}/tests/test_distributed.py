@@ -24,6 +24,8 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.data import EpochSampler
 from {{cookiecutter.package}}.engine.errors import RunError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # Exact equality across world sizes is not to be had: the two processes sum their gradients in
 # another order than one process does. Over 30 AdamW steps the drift stays far below this.
 SAME_GLOBAL_BATCH_RTOL = 1e-4
@@ -103,7 +105,6 @@ def test_a_launch_that_does_not_match_the_strategy_is_refused(make_cfg, monkeypa
         pass
 
 
-slow = pytest.mark.slow
 CPU = ["device=cpu", "device.cpu_threads=1"]
 
 
@@ -213,7 +214,6 @@ def test_processes_that_do_not_all_meet_stop_within_the_timeout_in_one_line(make
         pass
 
 
-@slow
 def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
     output = finished(torchrun(project, "name=ddp", "model.dropout=0", "data.batch_size=32", "trainer.max_steps=30"))
     assert "2 processes (gloo), this is rank 0" in output and "finished at step 30" in output
@@ -234,7 +234,6 @@ def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
     assert ddp.data.metrics["val/accuracy"] == pytest.approx(one.data.metrics["val/accuracy"], abs=0.01)
 
 
-@slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy, save_gate):
     """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
@@ -271,7 +270,6 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
     assert losses(client, broken.info.run_id) == losses(client, unbroken.info.run_id)  # each step once, equal
 
 
-@slow
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(project):
     home = project / "checkpoints" / "demo"
     process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=25")
@@ -284,7 +282,6 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(pro
     assert only_run(store(project), "demo").info.status == "KILLED"
 
 
-@slow
 def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_ddp(project):
     finished(torchrun(project, "trainer.max_steps=20"))
     single = run_cli(
@@ -300,7 +297,6 @@ def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_
     assert sorted(losses(store(project), run.info.run_id)) == list(range(1, 61))
 
 
-@slow
 @pytest.mark.parametrize(("strategy", "victim"), [("ddp", 0), ("fsdp", 1)])
 def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(project, strategy, victim):
     """A model large enough that each save takes a while: a rank dies while one is being written
@@ -337,7 +333,6 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     assert not any(path.suffix == ".tmp" for path in home.iterdir())
 
 
-@slow
 def test_a_rank_killed_twenty_times_under_max_restarts_resumes_each_time_and_finishes(project, save_gate):
     """Each attempt torchrun restarts joins a process group of its own: the workers of every attempt
     share torchrun's store, and an attempt that read the keys of the one before hung in
@@ -363,9 +358,8 @@ def test_a_rank_killed_twenty_times_under_max_restarts_resumes_each_time_and_fin
     assert run.info.status == "FINISHED" and run.data.tags["resumes"] == str(kills)
 
 
-@slow
 def test_a_rank_killed_in_a_job_of_two_nodes_restarts_both_and_resumes(project, save_gate):
-    """The README's form for many nodes, with one torchrun per node (two here, on one machine). Each
+    """The form for many nodes of docs/scaling-out.md, with one torchrun per node (two here, on one machine). Each
     torchrun counts its own restarts, so the nodes' counts part after a restart: an attempt is
     known by the store its rank 0 opened, never by that count."""
     kills, every = 3, 2
@@ -417,7 +411,6 @@ def saving(temporary: Path) -> bool:
         return False
 
 
-@slow
 def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_traceback(project):
     home = project / "checkpoints" / "demo"
     process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false")
@@ -464,7 +457,6 @@ def test_only_a_collective_step_whose_peer_went_away_is_said_as_such(raised, sai
     assert distributed.peer_lost(raised, 1800) == said
 
 
-@slow
 def test_the_cli_refuses_a_launch_that_does_not_match_the_strategy_in_one_line(project):
     alone = run_cli(project, "strategy=ddp", "device=cpu")
     assert alone.returncode == 2 and "Traceback" not in alone.stderr
@@ -491,7 +483,6 @@ def test_a_process_other_than_rank_0_marks_its_error_with_its_rank(make_cfg, mon
     assert capsys.readouterr().err.startswith("[rank 1] error: this process is one of 2 (started by torchrun")
 
 
-@slow
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda")
 def test_ddp_with_nccl_on_every_gpu_trains_in_bf16_with_fused_adamw_and_resumes(project):
@@ -504,7 +495,6 @@ def test_ddp_with_nccl_on_every_gpu_trains_in_bf16_with_fused_adamw_and_resumes(
     assert len(saved["rng"]["ranks"]) == gpus and saved["rng"]["ranks"][-1]["accelerator"]["type"] == "cuda"
 
 
-@slow
 def test_a_sweep_job_of_two_submitit_tasks_trains_as_one_ddp_run(project):
     """submitit's local executor starts the tasks as SLURM would: the rendezvous comes from its
     job environment, with no torchrun."""

@@ -9,6 +9,8 @@ from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.monitor import Monitor
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # A validation every 5 steps; an improvement must be larger than any the demo makes, so the first
 # validation sets the best and each after it waits: with patience 2 the run stops at step 15.
 PATIENT = [

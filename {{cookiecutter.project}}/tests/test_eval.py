@@ -18,6 +18,8 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.evaluating import evaluate_checkpoint
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # Judged by the highest val/loss, the best checkpoint is an early one that retention of the newest 2
 # alone would delete (test_best.py).
 PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]
@@ -138,7 +140,6 @@ def runs_of(client, name: str) -> tuple:
     return trained, [run for run in runs if "mlflow.parentRunId" in run.data.tags]
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_of_two_processes_is_judged_by_one_and_a_one_file_checkpoint_by_two(project):
     finished(torchrun(project, "name=big", "trainer.max_steps=10", strategy="fsdp"))
     alone = run_cli(project, *CPU, "name=big", "checkpoint=last", script="eval.py")

@@ -1,5 +1,6 @@
 """export.py: a checkpoint's model weights as safetensors with a sidecar, loaded back by the plain
-PyTorch lines of the README, from a one-file checkpoint and from shards, never over another file."""
+PyTorch lines of docs/evaluating-and-exporting.md, from a one-file checkpoint and from shards, never
+over another file."""
 
 import json
 import os
@@ -9,7 +10,8 @@ import stat
 
 import pytest
 import torch
-from conftest import PROJECT, losses, run_cli
+from conftest import BASE, PROJECT, losses, run_cli
+from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from test_cli import on_a_small_disk, small_disk
 from test_distributed import CPU
@@ -23,14 +25,17 @@ from {{cookiecutter.package}}.engine.checkpoint.home import BEST, path_of
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.exporting import export
+from {{cookiecutter.package}}.engine.remembered import CommandLine
+
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
 
-def readme_lines(marker: str = "load_file") -> str:
-    """The README's plain PyTorch lines that hold `marker`: by default those that load an export
-    (section "Exporting")."""
-    readme = (PROJECT / "README.md").read_text()
+def docs_lines(marker: str = "load_file") -> str:
+    """The one block of plain PyTorch lines in docs/ that holds `marker`: by default those that load
+    an export (docs/evaluating-and-exporting.md, "Exporting")."""
+    docs = "\n".join(page.read_text() for page in sorted((PROJECT / "docs").glob("*.md")))
     (block,) = [
-        block for block in re.findall(r"^```python\n(.*?)^```", readme, re.DOTALL | re.MULTILINE) if marker in block
+        block for block in re.findall(r"^```python\n(.*?)^```", docs, re.DOTALL | re.MULTILINE) if marker in block
     ]
     return block
 
@@ -43,7 +48,8 @@ def val_loss(model: torch.nn.Module) -> float:
         return torch.nn.functional.cross_entropy(model(inputs).float(), targets).item()
 
 
-def test_the_readme_lines_rebuild_the_best_model_which_gives_the_val_loss_logged_at_its_step(
+@pytest.mark.daily
+def test_the_docs_lines_rebuild_the_best_model_which_gives_the_val_loss_logged_at_its_step(
     make_cfg, client, checkpoint_dir, tmp_path, monkeypatch
 ):
     trained = recipe.train(make_cfg())
@@ -54,7 +60,7 @@ def test_the_readme_lines_rebuild_the_best_model_which_gives_the_val_loss_logged
 
     monkeypatch.chdir(tmp_path)
     lines = {}
-    exec(readme_lines(), lines)
+    exec(docs_lines(), lines)
     assert val_loss(lines["model"]) == pytest.approx(logged[best], rel=1e-6)
     described = json.loads((tmp_path / "model.json").read_text())
     assert described["source"]["step"] == best and described["source"]["run_id"] == trained["run_id"]
@@ -112,6 +118,38 @@ def test_both_files_get_the_mode_of_any_file_created_there_by_the_umask(make_cfg
     assert modes == {"model.safetensors": 0o640, "model.json": 0o640, "any": 0o640}
 
 
+def test_a_run_whose_data_folder_moved_exports_with_the_new_place_typed_and_other_data_is_still_refused(tmp_path):
+    texts, moved, out = tmp_path / "texts", tmp_path / "moved", tmp_path / "model.safetensors"
+    texts.mkdir()
+    for label in ("no", "yes"):
+        (texts / f"{label}.txt").write_text(f"{label}, said once\n" * 20)
+    common = [*(f"{key}={value}" for key, value in BASE.items()), f"checkpoint.dir={tmp_path}/run"]
+    common += ["mlflow.enabled=false", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]  # never opened
+    tiny_gpt = ["model=gpt", "model.width=16", "model.depth=1", "model.heads=2", "data.block_size=16"]
+
+    def typed(*overrides: str) -> tuple:
+        """The config `python export.py <overrides>` composes, and what it says was typed."""
+        said = (*common, *overrides)
+        with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+            return compose("config", overrides=list(said)), CommandLine(said, lambda: defaults, PROJECT / "configs")
+
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        defaults = compose("config")
+    recipe.train(typed("data=text_folder", f"data.dir={texts}", *tiny_gpt, "trainer.max_steps=2")[0])
+    texts.rename(moved)
+
+    cfg, said = typed(f"+data.dir={moved}", "data.val_fraction=0.5")
+    with pytest.raises(RunError) as refused:  # what a location is not: a setting of the data
+        export(cfg, "last", out, "fp32", said)
+    assert "was trained with data.val_fraction=0.1, and this command asks for data.val_fraction=0.5: " in str(
+        refused.value
+    )
+    cfg, said = typed(f"+data.dir={moved}")
+    sidecar = export(cfg, "last", out, "fp32", said)
+    assert json.loads(sidecar.read_text())["data"]["labels"] == ["no", "yes"]
+    assert set(load_file(out)) == set(load(next((tmp_path / "run").glob("step_*.pt"))).part("model"))
+
+
 ONTO_A_FULL_THEN_A_READ_ONLY_DISK = """
 mount -t tmpfs -o size=1m tmpfs "$DISK"
 dd if=/dev/zero of="$DISK/filler" bs=64k 2>/dev/null
@@ -140,7 +178,6 @@ def test_an_export_onto_a_full_or_a_read_only_disk_is_one_line_and_leaves_nothin
     ]
 
 
-@pytest.mark.slow
 def test_shards_export_as_the_whole_model_and_a_crafted_metadata_is_refused(project, tmp_path):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
     assert trained.returncode == 0, trained.stderr

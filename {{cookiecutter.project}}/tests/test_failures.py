@@ -28,6 +28,8 @@ from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = "mlflow.enabled=false"
 EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5", "checkpoint.keep_last=3"]
 
@@ -154,7 +156,6 @@ def test_warn_goes_on_but_never_saves_weights_that_are_no_longer_finite(make_cfg
     assert list(saved_files(checkpoint_dir)) == ["step_00000005.pt"]
 
 
-@pytest.mark.slow
 def test_a_non_finite_probe_loss_is_not_reported_as_a_continuity_mismatch(make_cfg, client, checkpoint_dir, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
     _, saved = newest_valid(checkpoint_dir)
@@ -311,7 +312,6 @@ def test_a_run_leaves_files_it_did_not_write_in_its_checkpoint_folder(make_cfg, 
     assert (checkpoint_dir / "thesis.tmp").read_text() == "three years of work"
 
 
-@pytest.mark.slow
 def test_extending_a_run_reports_the_lr_jump_and_keeping_the_horizon_avoids_it(
     make_cfg, client, checkpoint_dir, caplog
 ):

@@ -24,6 +24,8 @@ from {{cookiecutter.package}}.engine.checkpoint.schema import Checkpoint
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.models import MLP
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = "mlflow.enabled=false"
 NEW_HEAD = ["init.checkpoint=demo", "init.ignore=[head.*]", "optimizer.lr_multipliers={body.*: 0.1}"]
 
@@ -247,7 +249,6 @@ def whole(folder: Path, scratch: Path) -> dict:
     return torch.load(scratch / f"{folder.parent.name}.pt", weights_only=False)
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_of_two_processes_starts_one_process_and_two_under_ddp_and_back_under_fsdp(
     project, tmp_path
 ):
@@ -273,7 +274,6 @@ def test_a_sharded_checkpoint_of_two_processes_starts_one_process_and_two_under_
             assert torch.equal(tensor, expected), (name, key)
 
 
-@pytest.mark.slow
 def test_an_optimizer_in_groups_resumes_from_one_file_under_fsdp_with_each_state_on_its_parameter(project, tmp_path):
     """The one file numbers the optimizer's parameters in the order of its groups, not the model's."""
     home = project / "checkpoints" / "grouped"
@@ -292,7 +292,6 @@ def test_an_optimizer_in_groups_resumes_from_one_file_under_fsdp_with_each_state
 NAMES = {"rest": ["body.4.weight", "body.4.bias", "head.weight", "head.bias"], "body": ["body.1.weight", "body.1.bias"]}
 
 
-@pytest.mark.slow
 def test_a_sweep_of_fine_tunes_finds_its_source_by_its_run_name(project):
     assert run_cli(project, *CPU, "name=base", "trainer.max_steps=10").returncode == 0
     sweep = ["-m", *CPU, "name=ft", "init.checkpoint=base", "optimizer.lr=1e-3,3e-3", "trainer.max_steps=10"]

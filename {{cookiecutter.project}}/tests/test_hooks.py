@@ -19,6 +19,8 @@ from {{cookiecutter.package}}.engine.checkpoint.home import path_of, steps
 from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
 from {{cookiecutter.package}}.engine.errors import RunError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = ["trainer.log_every_n_steps=10", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
 
 
@@ -179,17 +181,15 @@ def test_text_sample_refuses_a_vocabulary_it_cannot_write_before_step_1(make_cfg
     assert steps(tmp_path / "checkpoints") == []
 
 
-def test_the_readme_callback_logs_its_curve_at_each_validation(make_cfg, client, tmp_path, monkeypatch):
-    """The README's LossCurve ("Callbacks"), as a user's package names it on the command line."""
-    readme = (PROJECT / "README.md").read_text()
+def test_the_docs_callback_logs_its_curve_at_each_validation(make_cfg, client, tmp_path, monkeypatch):
+    """The LossCurve of docs/callbacks.md, as a user's package names it on the command line."""
+    page = (PROJECT / "docs" / "callbacks.md").read_text()
     (block,) = [
-        block
-        for block in re.findall(r"^ *```python\n(.*?)^ *```", readme, re.DOTALL | re.MULTILINE)
-        if "LossCurve" in block
+        block for block in re.findall(r"^```python\n(.*?)^```", page, re.DOTALL | re.MULTILINE) if "LossCurve" in block
     ]
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").touch()
-    (tmp_path / "mypkg" / "callbacks.py").write_text("\n".join(line.removeprefix("  ") for line in block.splitlines()))
+    (tmp_path / "mypkg" / "callbacks.py").write_text(block)
     monkeypatch.syspath_prepend(str(tmp_path))
     result = recipe.train(
         make_cfg(*QUIET, "trainer.max_steps=20", "+callbacks.curve._target_=mypkg.callbacks.LossCurve")

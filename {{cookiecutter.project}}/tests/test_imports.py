@@ -1,18 +1,23 @@
 """The package's modules import one another in one direction only: every import counts, those
 inside functions and those only for type checkers included, since each is a dependency a reader
 must follow. And the package is two places: your components beside `engine/`, which imports none
-of them (configs/ names them by `_target_`) and of which they need only `data.Data`."""
+of them (configs/ names them by `_target_`) and of which they need only its public part: `data`
+(`Data`, `read_file`) and the ready components of `engine/ready/`, which need no more of it."""
 
 import ast
+import importlib
+import sys
 from pathlib import Path
 
+import pytest
+
 import {{cookiecutter.package}}
+from {{cookiecutter.package}}.engine.data import Data
 
 PACKAGE = Path({{cookiecutter.package}}.__file__).parent
 NAME = "{{cookiecutter.package}}"
 ENGINE = f"{NAME}.engine"
-# What your side (every module beside engine/) takes from the engine: the type a data component returns.
-PUBLIC = {ENGINE, f"{ENGINE}.data"}
+READY = f"{ENGINE}.ready"
 
 
 def module_name(path: Path) -> str:
@@ -80,14 +85,46 @@ def test_no_module_of_the_package_imports_itself_back():
     assert circle is None, "an import circle: " + " -> ".join(circle)
 
 
+def public(edges: dict[str, set[str]]) -> set[str]:
+    """What your side (every module beside engine/) may take from the engine: the type a data
+    component returns and how it reads a file, and the ready components."""
+    return {ENGINE, f"{ENGINE}.data"} | {module for module in edges if module.startswith(READY)}
+
+
 def test_the_engine_imports_none_of_your_modules_and_they_need_only_its_public_part():
     edges = graph()
     yours = {module for module in edges if module.count(".") == 1 and module != ENGINE}
     assert {f"{NAME}.{module}" for module in ("models", "datasets", "tasks", "callbacks", "schedulers")} <= yours
     reaching = {module: sorted(imported & yours) for module, imported in edges.items() if module.startswith(ENGINE)}
     assert not {module: names for module, names in reaching.items() if names}, "the engine imports your files"
-    needing = {module: sorted(edges[module] - yours - PUBLIC) for module in yours}
-    assert not {module: names for module, names in needing.items() if names}, "your files import engine internals"
+    ready = {module for module in edges if module.startswith(READY)}
+    assert {f"{READY}.{module}" for module in ("models", "datasets", "tasks", "callbacks", "schedulers")} <= ready
+    # The ready components are written as yours are, so that yours may subclass or copy them.
+    needing = {module: sorted(edges[module] - yours - public(edges)) for module in yours | ready}
+    assert not {module: names for module, names in needing.items() if names}, "components import engine internals"
+
+
+def test_the_data_path_of_before_the_engine_gives_data_for_one_release_and_names_the_new_one(monkeypatch):
+    monkeypatch.delitem(sys.modules, f"{NAME}.data", raising=False)  # imported afresh, so that it warns
+    with pytest.warns(FutureWarning) as warned:
+        old = importlib.import_module(f"{NAME}.data")
+    assert old.Data is Data
+    assert [str(warning.message) for warning in warned] == [
+        f"{NAME}.data is {ENGINE}.data now: import Data from there; {NAME}.data goes in the next release"
+    ]
+
+
+def test_each_console_script_is_the_main_of_an_engine_command():
+    """`{{cookiecutter.project}}-compare` and `-tracking` once installed: `python -m` of the engine's modules."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    scripts = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    commands = {"compare": f"{ENGINE}.compare:main", "tracking": f"{ENGINE}.tracking:main"}
+    assert scripts == {f"{{cookiecutter.project}}-{command}": target for command, target in commands.items()}
+    for target in scripts.values():
+        module, _, function = target.partition(":")
+        path = PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+        defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert function in defined, f"{target}: {path} defines no {function}"
 
 
 def test_every_module_of_the_package_reads_in_one_sitting():

@@ -22,6 +22,8 @@ from {{cookiecutter.package}}.engine.checkpoint.home import best_of, path_of, st
 from {{cookiecutter.package}}.engine.logged_models import log_models
 from {{cookiecutter.package}}.engine.preemption import Stopped
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 PEAK = ["optimized_mode=max", "checkpoint.keep_last=2"]  # the best checkpoint is an early one (test_best.py)
 
 
@@ -112,7 +114,6 @@ def test_a_run_stopped_to_come_back_logs_its_models_when_it_ends(make_cfg, clien
     assert set(models_of(client, run.info.run_id)) == {"best"}, "no second copy of the same checkpoint"
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_is_logged_as_one_model(project):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5", "mlflow.log_models=best")
     assert trained.returncode == 0, trained.stderr
@@ -142,7 +143,6 @@ class Branchy(nn.Module):
 """
 
 
-@pytest.mark.slow
 def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_metrics(project):
     (project / "branchy.py").write_text(BRANCHY)  # importable from the project folder, the sender's too
     (project / "configs" / "model" / "branchy.yaml").write_text("_target_: branchy.Branchy\n")

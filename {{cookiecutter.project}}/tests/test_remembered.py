@@ -17,6 +17,8 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.remembered import CommandLine, merged
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # A small character-level GPT: a run that the defaults (an MLP on the digits) do not build.
 LM = [
     "experiment=char_lm", "name=lm", "model.width=16", "model.depth=1", "model.heads=2", "data.block_size=16",
@@ -35,7 +37,7 @@ def typed(tmp_path, tracking_uri):
         said = tuple(f"{key}={value}" for key, value in values.items())
         with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
             cfg, defaults = compose("config", overrides=list(said)), compose("config")
-        return cfg, CommandLine(said, lambda: defaults)
+        return cfg, CommandLine(said, lambda: defaults, PROJECT / "configs")
 
     return make
 
@@ -74,7 +76,7 @@ def test_typed_settings_win_even_at_their_defaults_and_derived_ones_follow_unles
     def resumed_from(*trained: str):
         saved = OmegaConf.to_container(typed(*LM, "strategy=fsdp", *trained)[0], resolve=True)
         cfg, said = typed("name=lm", "resume=last", "trainer.max_steps=300", "optimizer.lr=3e-3")  # the defaults'
-        return merged(cfg, saved, said, cfg.keys())
+        return merged(cfg, PROJECT / "step_00000010.pt", saved, said, cfg.keys())  # a path its messages would name
 
     derived = resumed_from("optimizer.lr=1e-3")
     assert (derived.model._target_, derived.model.width, derived.data.block_size) == ("{{cookiecutter.package}}.models.GPT", 16, 16)

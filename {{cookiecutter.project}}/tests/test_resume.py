@@ -18,6 +18,8 @@ from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.probe import Probe
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # 22 batches an epoch: a stop at step 30 is mid-epoch, 8 batches into the second one.
 STOP_AT, MAX_STEPS = 30, 60
 QUIET = "mlflow.enabled=false"
@@ -27,22 +29,17 @@ def run_id_of(checkpoint_dir) -> str:
     return newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
 
 
-# The default settings by default; the variants under --all (each is three trainings).
+# The default settings in the daily loop; the variants under --all (each is three trainings).
 @pytest.mark.parametrize(
     "settings",
     [
-        ["optimizer=adamw", "amp=off"],
-        *(
-            pytest.param(settings, marks=pytest.mark.slow)
-            for settings in (
-                ["optimizer=adamw", "amp=bf16"],
-                ["optimizer=sgd", "amp=off"],
-                ["optimizer=sgd", "amp=bf16"],
-                ["optimizer=adamw", "optimizer.fused=true"],
-                ["optimizer=sgd", "trainer.grad_accum_steps=2"],
-                ["model=cnn", "trainer.channels_last=true"],
-            )
-        ),
+        pytest.param(["optimizer=adamw", "amp=off"], marks=pytest.mark.daily),
+        ["optimizer=adamw", "amp=bf16"],
+        ["optimizer=sgd", "amp=off"],
+        ["optimizer=sgd", "amp=bf16"],
+        ["optimizer=adamw", "optimizer.fused=true"],
+        ["optimizer=sgd", "trainer.grad_accum_steps=2"],
+        ["model=cnn", "trainer.channels_last=true"],
     ],
     ids=" ".join,
 )
@@ -83,6 +80,7 @@ def test_checkpoint_verify_false_trusts_the_file_and_so_resumes_from_a_damaged_o
 
 
 @pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")  # meta tensors hold no data
+@pytest.mark.daily
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_setup_restores_after_the_move_so_every_tensor_lands_on_the_target_device(make_cfg, checkpoint_dir, model):
     """The recipe's own setup, on the `meta` stand-in for an accelerator: the restored optimizer
@@ -131,7 +129,6 @@ def test_resume_with_another_optimizer_type_fails_clearly(make_cfg):
         ("off", "fp16", "starting a fresh GradScaler"),
     ],
 )
-@pytest.mark.slow
 def test_amp_switched_between_fp16_and_off_across_a_resume_works(make_cfg, client, caplog, before, after, note):
     recipe.train(make_cfg(f"amp={before}", "trainer.max_steps=20"))
     with caplog.at_level(logging.INFO):
@@ -210,7 +207,6 @@ def test_resume_auto_continues_when_there_is_a_checkpoint_and_starts_fresh_when_
     assert second["run_id"] == first["run_id"] and second["step"] == 20
 
 
-@pytest.mark.slow
 def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cfg, checkpoint_dir, client, caplog):
     recipe.train(make_cfg("trainer.max_steps=10"))
     path, saved = newest_valid(checkpoint_dir)

@@ -21,6 +21,8 @@ from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
 from {{cookiecutter.package}}.engine.errors import CheckpointError
 from {{cookiecutter.package}}.models import MLP
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 ALONE = ["strategy=fsdp", *CPU, "trainer.log_every_n_steps=1"]
 
 
@@ -47,7 +49,6 @@ def reseal(folder: Path, name: str) -> None:
     torch.save(state, folder / STATE)
 
 
-@pytest.mark.slow
 def test_a_crafted_metadata_is_refused_in_one_line_and_its_payload_never_runs(project, tmp_path):
     train_alone(project, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
     home, marker = project / "checkpoints" / "demo", tmp_path / "payload-ran"
@@ -93,7 +94,6 @@ def test_values_stored_beside_the_tensors_load_as_plain_values_only(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.slow
 def test_a_damaged_shard_is_found_before_load_and_resume_last_falls_back(project):
     train_alone(project, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
     newest = project / "checkpoints" / "demo" / "step_00000010"
@@ -107,7 +107,6 @@ def test_a_damaged_shard_is_found_before_load_and_resume_last_falls_back(project
     assert "resumed at step 5 on cpu" in output and "(ok)" in output
 
 
-@pytest.mark.slow
 def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(project, tmp_path):
     home = project / "checkpoints" / "demo"
     finished(torchrun(project, "trainer.max_steps=20", strategy="fsdp"))
@@ -146,7 +145,6 @@ def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(
     assert sorted(path.name for path in home.iterdir() if NAME.fullmatch(path.name))[-1] == "step_00000060"
 
 
-@pytest.mark.slow
 def test_the_gradient_norm_of_a_sharded_model_is_that_of_all_its_gradients(project):
     """Each process holds a shard of the gradients; the logged norm is that of all of them, as one
     process training on the same global batch measures it."""
@@ -162,7 +160,6 @@ def test_the_gradient_norm_of_a_sharded_model_is_that_of_all_its_gradients(proje
         assert sharded_norms[step][0] == pytest.approx(value, rel=1e-4), step
 
 
-@pytest.mark.slow
 def test_sharded_and_one_file_checkpoints_resume_each_other(project):
     train_alone(project, "trainer.max_steps=10")
     single = run_cli(project, *CPU, "trainer.max_steps=20", "resume=last")
@@ -173,7 +170,6 @@ def test_sharded_and_one_file_checkpoints_resume_each_other(project):
     assert (project / "checkpoints" / "demo" / "step_00000030").is_dir()
 
 
-@pytest.mark.slow
 def test_fp16_with_its_grad_scaler_round_trips_through_a_sharded_checkpoint(project):
     """A known failure elsewhere (accelerate issue 4289): the scaler's state lost on resume."""
     train_alone(project, "amp=fp16", "trainer.max_steps=10")
@@ -183,7 +179,6 @@ def test_fp16_with_its_grad_scaler_round_trips_through_a_sharded_checkpoint(proj
     assert saved["scaler"]["_growth_tracker"] == 20  # counted on from the saved 10, not restarted
 
 
-@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda")
 def test_fsdp_with_nccl_on_every_gpu_trains_in_bf16_and_resumes(project):

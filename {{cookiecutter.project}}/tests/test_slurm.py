@@ -1,7 +1,7 @@
 """Recovery without a person, on a real SLURM cluster (tests/slurm_cluster.py): a sweep job that
 is requeued, preempted (with and without grace time) or reaches its time limit saves at the end of
 its step, runs again by itself, resumes where it stopped and finishes in the same MLflow run, with
-every step's loss logged once. The README's sweep line, as written (no resume=auto), plus what
+every step's loss logged once. The SLURM line of docs/slurm.md, as written (no resume=auto), plus what
 fits this one-node cluster. `pytest -m slurm` runs them (as root; Debian's packages)."""
 
 import re
@@ -22,7 +22,7 @@ FITS = ["hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1", "
 
 
 def readme_sweep(partition: str, *more: str) -> list[str]:
-    """The README's SLURM line, one job of it, on `partition`."""
+    """The SLURM line of docs/slurm.md, one job of it, on `partition`."""
     return ["-m", "hydra/launcher=slurm", f"hydra.launcher.partition={partition}", "device=cpu", "optimizer=adamw",
             *FITS, *STEPS, *more]  # fmt: skip
 

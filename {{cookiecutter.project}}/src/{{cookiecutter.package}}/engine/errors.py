@@ -1,11 +1,16 @@
 """The exceptions that reach the person running the job, each said in one line."""
 
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+# What a terminal acts on rather than shows (ESC starts a sequence that can rewrite the screen), and
+# line breaks, which would forge a line of their own: never printed from a value the run was given.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class RunError(Exception):
@@ -29,6 +34,18 @@ def listed(names: list[str], most: int = 8, between: str = ", ") -> str:
     return between.join(names[:most]) + (f" and {more} more" if more > 0 else "")
 
 
+def shown(value: object) -> str:
+    """`value` as a message may print it: a name or path read from a checkpoint or a file is data
+    from anywhere, so its control characters are dropped."""
+    return CONTROL.sub("", str(value))
+
+
+def typed(value: object) -> str:
+    """`value` as one shell word in a command a message offers, safe to paste: quoted where the
+    shell would read it otherwise (`; curl ...|sh`), its control characters dropped."""
+    return shlex.quote(shown(value))
+
+
 def first_line(error: BaseException) -> str:
     """What `error` says, in one line."""
     # SQLAlchemy (MLflow's sqlite store) puts its own notes ("raised as a result of Query-invoked
@@ -46,5 +63,5 @@ def reported(work: Callable[[], T]) -> T:
         return work()
     except RunError as error:
         rank = os.environ.get("RANK", "0")
-        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {error}", file=sys.stderr)
+        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {shown(error)}", file=sys.stderr)
         raise SystemExit(2) from None

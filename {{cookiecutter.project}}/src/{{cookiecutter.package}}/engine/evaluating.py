@@ -20,7 +20,7 @@ from .config import Config, check_values
 from .data import Data, evaluation_loader
 from .devices import audit_placement, set_cpu_threads
 from .distributed import World
-from .errors import reported
+from .errors import reported, shown
 from .evaluation import check_wiring, evaluate
 from .provenance import datasets, record
 from .remembered import CommandLine
@@ -64,7 +64,7 @@ def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path, said: CommandL
         run_id = world.on_main(lambda: track(cfg, saved, source, built.data, results, spill_dir, world))
     if world.is_main:
         scores = "\n".join(f"  {key} {value!r}" for key, value in results.items())
-        log.info(f"{saved.path}, step {saved.step} of {saved.run_name}; MLflow run {run_id or 'off'}:\n{scores}")
+        log.info(f"{saved.path}, step {saved.step} of {shown(saved.run_name)}; MLflow run {run_id or 'off'}:\n{scores}")
     return {**results, "step": saved.step, "run_id": run_id}
 
 
@@ -76,7 +76,7 @@ def track(
     its id."""
     cfg.mlflow.parent_run_id = source["run_id"]
     cfg.mlflow.experiment_name = saved.setting("mlflow", "experiment_name") or cfg.mlflow.experiment_name
-    cfg.mlflow.run_name = cfg.mlflow.run_name or f"eval {saved.run_name} step {saved.step}"
+    cfg.mlflow.run_name = cfg.mlflow.run_name or f"eval {shown(saved.run_name)} step {saved.step}"
     tracker = Tracker(cfg.mlflow, spill_dir)
     inputs = datasets(cfg.data, data, splits=("val", "test"))
     tracker.open(*record(cfg, world, lineage_tags(source, prefix="eval")), checkpoint=None, datasets=inputs)

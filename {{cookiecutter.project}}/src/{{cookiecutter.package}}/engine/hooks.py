@@ -20,15 +20,26 @@ every process calls the hooks (they may take part in collective steps); what the
 once, by rank 0, and the others skip the rendering.
 
 A callback with `state_dict()` and `load_state_dict(state)` is saved in each checkpoint (the
-`callbacks` part, by its name) and resumes with the run. One that raises stops the run in one line
-that names it and its hook, after the last good checkpoint: nothing after the hook is saved.
+`callbacks` part, by its name) and resumes with the run. Its state is what a checkpoint may hold,
+checked at each save before anything is written: tensors and plain values, as the restricted loader
+that reads checkpoints back takes them (a path as `str(path)`).
+
+A hook that raises, or that runs longer than `trainer.hook_timeout_s`, stops the run in one line
+that names it and its hook, after the last good checkpoint: nothing after the hook is saved. A stop
+(SIGTERM, Ctrl-C: preemption.py) interrupts a hook at once, and the run's later hooks are skipped;
+the run saves as at any stop, unless a callback that keeps state takes part in the hook cut short:
+its state may be half-updated, so nothing more is saved, and the newest checkpoint stays the newest.
 """
 
+import io
 import json
+import logging
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +50,29 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from . import components
+from .checkpoint.files import load_restricted
 from .distributed import World
-from .errors import RunError, first_line
+from .errors import RunError, first_line, listed, shown
 from .evaluation import in_float32, in_step
 from .precision import autocast
+from .preemption import Interrupted, Preemption
+
+log = logging.getLogger(__name__)
 
 HOOKS = ("on_fit_start", "on_train_step_end", "on_validation_end", "on_save_checkpoint", "on_fit_end")
+# The outcome of a hook that raised or overran, or of a state refused: above every signal's number,
+# a stop's outcome, so that it prevails where the processes agree.
+FAILED = 1000
 
 
 class CallbackError(RunError):
-    """A callback raised in one of its hooks; the recipe adds where the run stands on disk."""
+    """A callback raised in one of its hooks, overran its time, or holds a state no checkpoint can;
+    the recipe adds where the run stands on disk. `stopped`: the stop that cut short a hook in which
+    a callback that keeps state takes part, after which the run stops as at a signal, but unsaved."""
+
+    def __init__(self, message: str, stopped: signal.Signals | None = None) -> None:
+        super().__init__(message)
+        self.stopped = stopped
 
 
 class Callbacks:
@@ -56,7 +80,8 @@ class Callbacks:
 
     For each hook, the callbacks that define it are listed once, here: a step calls
     `on_train_step_end` only where `stepping` is true, so callbacks without a per-step hook cost
-    a step one check of a flag (bench/hooks_overhead.py)."""
+    a step one check of a flag (bench/hooks_overhead.py), and a per-step hook's time bound costs no
+    system call (preemption.Hold)."""
 
     def __init__(self, built: dict[str, Any], world: World) -> None:
         self._built, self._world = built, world
@@ -66,6 +91,7 @@ class Callbacks:
         }
         self.stepping = bool(self._defining["on_train_step_end"])
         self._view: CallbackRun | None = None
+        self._cut = False  # a stop cut a hook short: no hook is called again
 
     @classmethod
     def built(cls, node: DictConfig, world: World) -> "Callbacks":
@@ -84,28 +110,75 @@ class Callbacks:
         return cls(built, world)
 
     def call(self, hook: str, run: Any, *arguments: Any) -> None:
-        """`hook(run, *arguments)` of each callback that defines it, in the order configured. Every
-        process agrees on whether one raised (under ddp and fsdp: one small collective step, where
-        a callback defines `hook`), so that all stop at the same point with the same line."""
+        """`hook(run, *arguments)` of each callback that defines it, in the order configured, each
+        holding the run (preemption.py): a stop interrupts it, and so does trainer.hook_timeout_s.
+        Every process agrees on how they ended (under ddp and fsdp: one small collective step,
+        where a callback defines `hook`), so that all stop at the same point with the same line."""
         callbacks = self._defining[hook]
-        if not callbacks:
+        if not callbacks or self._cut:
             return
         if self._view is None:
             self._view = CallbackRun(run)
-        said = None
+        preemption = Preemption.installed  # None where signals cannot reach this thread
+        hold = preemption.hold if preemption is not None else UNHELD
+        said, outcome = None, 0
         for name, callback in callbacks:
             try:
-                getattr(callback, hook)(self._view, *arguments)
-            except Exception as error:
-                target = type(callback).__module__ + "." + type(callback).__qualname__
-                said = f"callbacks.{name} ({target}) raised in {hook}: {type(error).__name__}: {first_line(error)}"
+                with hold:
+                    getattr(callback, hook)(self._view, *arguments)
+            except Interrupted as interrupted:
+                if interrupted.received == signal.SIGALRM:
+                    said, outcome = (
+                        f"{self._named(name)} did not return from {hook} within trainer.hook_timeout_s="
+                        f"{hold.bound_s:g} s (raise it if the hook needs longer)",
+                        FAILED,
+                    )
+                else:
+                    said = f"{self._named(name)} was interrupted by {interrupted.received.name} in {hook}"
+                    outcome = interrupted.received
                 break
-        if self._world.max(int(said is not None)):
-            raise CallbackError(next(line for line in self._world.gather(said) if line is not None))
+            except Exception as error:
+                said = f"{self._named(name)} raised in {hook}: {type(error).__name__}: {first_line(error)}"
+                outcome = FAILED
+                break
+        agreed, line = self._agree(said, outcome)
+        if agreed:  # a stop cut the hook short: the run is stopping, and hooks after it could hold it again
+            self._cut = True
+            stateful = self._stateful()
+            keeping = [f"callbacks.{name}" for name, _ in callbacks if name in stateful]
+            if keeping:
+                raise CallbackError(
+                    f"{line}, so the state of {listed(keeping)} may be half-updated: nothing more is saved",
+                    stopped=signal.Signals(agreed),
+                )
+            log.warning(f"{line}; the run's later hooks are skipped")
 
     def state_dict(self) -> dict:
-        """A checkpoint part: the state of each callback that has one, by its name."""
-        return {name: callback.state_dict() for name, callback in self._stateful().items()}
+        """A checkpoint part: the state of each callback that has one, by its name. Checked first
+        (by every process, which agree) against the restricted loader, which reads checkpoints back:
+        a state it would refuse makes every checkpoint unusable, so none is written."""
+        stateful = self._stateful()
+        if not stateful:
+            return {}
+        state = {name: callback.state_dict() for name, callback in stateful.items()}
+        said = None
+        for name, part in state.items():
+            if (refused := _refused(part, "state_dict()")) is not None:
+                where, value = refused
+                kind = type(value).__qualname__
+                instead = (
+                    "store str(path) instead"
+                    if isinstance(value, os.PathLike)
+                    else "store plain values instead: numbers, strings, tensors, and lists and dicts of them"
+                )
+                said = (
+                    f"{self._named(name)} holds {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at {where}, which a "
+                    f"checkpoint cannot hold (resume and eval.py load only tensors and plain values), so nothing "
+                    f"is saved; {instead}"
+                )
+                break
+        self._agree(said, FAILED if said else 0)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """A callback the checkpoint has no state of (added at this resume) starts as built; the
@@ -120,6 +193,21 @@ class Callbacks:
             for name, callback in self._built.items()
             if callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None))
         }
+
+    def _named(self, name: str) -> str:
+        callback = type(self._built[name])
+        return f"callbacks.{name} ({callback.__module__}.{callback.__qualname__})"
+
+    def _agree(self, said: str | None, outcome: int) -> tuple[int, str | None]:
+        """The outcome every process agrees on, the largest, and its line; a FAILED one raises, on
+        every process at once."""
+        agreed = self._world.max(outcome)
+        if not agreed:
+            return 0, None
+        line = next(line for number, line in self._world.gather((outcome, said)) if number == agreed)
+        if agreed == FAILED:
+            raise CallbackError(line)
+        return agreed, line
 
 
 class CallbackRun:
@@ -216,6 +304,51 @@ class CallbackRun:
     def _hand_over(self, path: Path, artifact_file: str) -> None:
         folder = Path(artifact_file).parent.as_posix()
         self._run.tracker.log_artifact(path, None if folder == "." else folder)
+
+
+UNHELD = nullcontext()
+
+
+def _refused(value: object, at: str) -> tuple[str, object] | None:
+    """Where in `value`, a callback's state at `at`, the restricted loader refuses what it finds, and
+    that; None where it takes all of it. files.load_restricted is the one judge of what a checkpoint
+    may hold: its refusal is searched for through the dicts, lists and tuples of `value`."""
+    if _loads(value):
+        return None
+    if type(value) is dict:
+        inside = [(f"a key of {at}", key) for key in value] + [(f"{at}[{key!r}]", item) for key, item in value.items()]
+    elif type(value) in (list, tuple):
+        inside = [(f"{at}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        inside = []
+    return next((found for where, item in inside if (found := _refused(item, where))), (shown(at), value))
+
+
+def _loads(value: object) -> bool:
+    """Whether `value`, written as a checkpoint writes it, reads back through the restricted loader."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(_without_bytes(value), buffer)
+        buffer.seek(0)
+        load_restricted(buffer, "a callback's state", device="meta")
+    except Exception:  # what pickle cannot write at all (a lambda, an open file), or what the loader refuses
+        return False
+    return True
+
+
+def _without_bytes(value: object) -> object:
+    """`value` with the tensors of its dicts, lists and tuples on the meta device: the loader judges a
+    tensor by its kind, and a large one (an average of the weights) is not copied to be judged."""
+    if isinstance(value, torch.Tensor):
+        try:
+            return value.detach().to("meta")
+        except (RuntimeError, NotImplementedError):  # a layout without a meta form: judged as it is
+            return value
+    if type(value) is dict:
+        return {key: _without_bytes(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(map(_without_bytes, value))
+    return value
 
 
 def _pil_image(image: Any) -> Any:

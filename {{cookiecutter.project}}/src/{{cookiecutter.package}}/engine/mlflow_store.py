@@ -42,6 +42,10 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 # MLflow logs the traceback of a database error and then raises it; every store call here
 # catches it and says it in one line, so the traceback would only bury that line.
 logging.getLogger("mlflow.store.db.utils").addFilter(lambda record: record.exc_info is None)
+# A new sqlite store's tables are made by MLflow as it opens it, each step said at INFO (MLflow's and
+# alembic's): lines about MLflow's own schema, in the first run of every project. Warnings stay.
+for _name in ("mlflow.store.db.utils", "alembic"):
+    logging.getLogger(_name).setLevel(max(logging.getLogger(_name).getEffectiveLevel(), logging.WARNING))
 
 FOLLOWS_STORE = "artifacts_follow_store"  # tags the experiments whose artifacts live beside the store
 # MLflow 3's UI opens an experiment without a kind in its GenAI view (an empty traces page) and
@@ -91,15 +95,24 @@ class RunOpener:
         self.run_id: str | None = None
         self.resumes = 0
 
-    def create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
+    def create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str, started: int | None) -> None:
+        """A new run, started at `started` (ms since the epoch): when the training process set it up,
+        not when this process got to it, which may be seconds later (MLflow's Duration)."""
         experiment = self._parents_experiment() or experiment_id(self.client, self.cfg)
-        run = self.client.create_run(experiment, run_name=self.cfg.run_name, tags={**tags, **self.parent_tags})
+        tags = {**tags, **self.parent_tags}
+        run = self.client.create_run(experiment, start_time=started, run_name=self.cfg.run_name, tags=tags)
         self.run_id = run.info.run_id
         self._log_params(params)
         self.client.log_text(self.run_id, config_yaml, "config.yaml")
 
     def continue_(
-        self, run_id: str | None, params: dict[str, str], tags: dict[str, str], config_yaml: str, checkpoint: str
+        self,
+        run_id: str | None,
+        params: dict[str, str],
+        tags: dict[str, str],
+        config_yaml: str,
+        checkpoint: str,
+        started: int | None,
     ) -> None:
         try:
             run = self.client.get_run(run_id) if run_id else None
@@ -124,7 +137,7 @@ class RunOpener:
                     f"MLflow run {run_id} is deleted; continuing in a new run (`MLFLOW_TRACKING_URI="
                     f"{self.cfg.tracking_uri} mlflow {restore}` brings the old one back)"
                 )
-            self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml)
+            self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml, started)
             return
         self.run_id = run_id
         self.client.update_run(run_id, status="RUNNING")
@@ -160,10 +173,11 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
     opener = None
     try:
         opener = RunOpener(connect(cfg.tracking_uri), cfg)
+        described = asked["params"], asked["tags"], asked["config_yaml"]
         if asked["checkpoint"] is None:
-            opener.create(asked["params"], asked["tags"], asked["config_yaml"])
+            opener.create(*described, asked["started"])
         else:
-            opener.continue_(asked["run_id"], asked["params"], asked["tags"], asked["config_yaml"], asked["checkpoint"])
+            opener.continue_(asked["run_id"], *described, asked["checkpoint"], asked["started"])
         try:
             log_datasets(opener.client, opener.run_id, asked["datasets"])
         except Exception as error:  # the run is open: it goes on, without its Dataset column
@@ -177,15 +191,40 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
         return None
 
 
-def record_origin(client: MlflowClient, run_id: str, resumes: int) -> None:
+def attach_run(cfg: MlflowConfig, run_id: str) -> RunOpener | None:
+    """The run `run_id` as it is, for a resume with nothing left to train: not marked RUNNING, no
+    resume counted, nothing tagged; only the models it lacks are logged to it (logged_models.py).
+    None, after a one-line warning, when the store fails or does not have it."""
+    try:
+        opener = RunOpener(connect(cfg.tracking_uri), cfg)
+        opener.client.get_run(run_id)
+    except Exception as error:
+        log.warning(
+            f"MLflow at {cfg.tracking_uri} cannot give run {run_id} ({first_line(error)}); its models are not logged"
+        )
+        return None
+    opener.run_id = run_id
+    return opener
+
+
+# A resume's own origin tags, beside the first leg's: `resume.<n>.git.commit` (MLflow's own name,
+# mlflow.source.git.commit, stays the first leg's, which the UI shows as the run's source).
+LEG_TAGS = {"mlflow.source.git.commit": "git.commit"}
+
+
+def record_origin(client: MlflowClient, run_id: str, resumes: int, untracked_content: bool) -> None:
     """What the run ran from (origin.py), from the folder this process started in, the trainer's:
     the tags `mlflow.source.git.commit`, `git.dirty` and `template.version`, and the artifacts
     `provenance/requirements.txt` and, from a tree with uncommitted changes, `provenance/git.diff`.
-    A resume records its own beside them, under `provenance/resume.<n>/`, and its tags replace the
-    first's, as every tag of a resume does. A failure costs a warning: the run goes on."""
+    Each leg keeps its own: a resume records its tags as `resume.<n>.template.version`,
+    `resume.<n>.git.commit` and `resume.<n>.git.dirty`, and its files under `provenance/resume.<n>/`,
+    so that the first leg's stay as they were (a `cruft update` or a commit between two legs shows).
+    A failure costs a warning: the run goes on."""
     folder = "provenance" if resumes == 0 else f"provenance/resume.{resumes}"
     try:
-        tags, files = origin(Path.cwd())
+        tags, files = origin(Path.cwd(), untracked_content)
+        if resumes:
+            tags = {f"resume.{resumes}.{LEG_TAGS.get(key, key)}": value for key, value in tags.items()}
         for name, text in files.items():
             client.log_text(run_id, text, f"{folder}/{name}")
         set_tags(client, run_id, tags)

@@ -1,6 +1,10 @@
-"""What a run ran from: the git commit of the folder it started in, whether that tree had
-uncommitted changes and what they were, the template commit that made the project (its
-`.cruft.json`), and the installed packages.
+"""What a run ran from: the git commit of the folder it started in (the project's), whether the
+project's files had uncommitted changes and what they were, the template commit that made the
+project (its `.cruft.json`), and the installed packages.
+
+The diff goes to the tracking store, where others may read it: an untracked file is named there,
+its content copied only when mlflow.untracked_content asks for it, and never a file named like a
+secret (a `.env`, a key) nor one outside the project's folder (a larger repository's `.aws/`).
 
 The MLflow sender process finds these (mlflow_store.record_origin) after it has answered the run's
 id, so none of it is paid before step 1; nothing here imports torch or MLflow.
@@ -8,37 +12,65 @@ id, so none of it is paid before step 1; nothing here imports torch or MLflow.
 
 import json
 import logging
+import os
+import stat
 import subprocess
+from fnmatch import fnmatchcase
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .checkpoint.files import read_regular
+from .errors import shown
 
 log = logging.getLogger(__name__)
 
 GIT_SECONDS = 30  # a git that hangs (a slow network filesystem) costs the sender this, never the run
 UNTRACKED_BYTES = 1 << 20  # a larger untracked file is taken for data, not source: named, not copied
-UNKNOWN = "unknown"  # template.version of a project made without a template commit to name
+UNKNOWN = "unknown"  # template.version of a project made without a template commit to name; git.dirty git cannot tell
+# An untracked file whose name, or the name of a folder on its way, matches one of these (in any
+# case) is named in the diff and never copied, whatever mlflow.untracked_content says.
+SECRET_NAMES = (".env*", "*.pem", "*.key", "id_*", "*credential*", "*secret*", "*token*")
+NAMED_ONLY = (
+    "# Untracked files, named only: their content is copied only with mlflow.untracked_content=true, and never "
+    f"that of a link, of a file over {UNTRACKED_BYTES >> 20} MiB or of a name that looks like a secret's\n"
+)
 
 
-def origin(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
+class GitFailed(Exception):
+    """git did not answer: missing, hung, or failed (a corrupt index); what it said, in one line."""
+
+
+def origin(folder: Path, untracked_content: bool) -> tuple[dict[str, str], dict[str, str]]:
     """The tags and the files (text by name, the artifacts under `provenance/`) that say what a run
-    started in `folder` ran from. Outside a git checkout, or without git, the git tags and the
-    diff are left out, as MLflow leaves out `mlflow.source.git.commit`."""
+    started in `folder` ran from. Outside a git checkout, or in one without a commit, the git tags
+    and the diff are left out, as MLflow leaves out `mlflow.source.git.commit`. A checkout git
+    cannot read (a corrupt index, git missing) costs a warning and is tagged git.dirty=unknown:
+    a failure is never recorded as a clean tree."""
     tags = {"template.version": template_version(folder)}
     files = {"requirements.txt": requirements()}
-    if (found := _git(folder, "rev-parse", "--show-toplevel", "HEAD")) is not None:
-        top, commit = found.split("\n")[:2]
+    try:
+        if not (commit := _git(folder, "rev-parse", "--verify", "--quiet", "HEAD", ok=(1,)).strip()):
+            return tags, files  # a checkout without a commit yet: none to name
         tags["mlflow.source.git.commit"] = commit
-        diff, large = uncommitted(Path(top))
-        if diff:
-            files["git.diff"] = diff
-        if large:
-            log.warning(
-                f"provenance/git.diff leaves out the untracked files over {UNTRACKED_BYTES >> 20} MiB, taken for "
-                f"data: {', '.join(large)} (add them to .gitignore, or commit them)"
-            )
-        tags["git.dirty"] = str(bool(diff or large)).lower()
+        diff, large = uncommitted(folder, untracked_content)
+    except GitFailed as failure:
+        checkout = "mlflow.source.git.commit" in tags or any((up / ".git").exists() for up in (folder, *folder.parents))
+        if not checkout:
+            return tags, files  # nothing of git's to record
+        log.warning(
+            f"git failed in {folder} ({failure}): the run is tagged git.dirty={UNKNOWN}, and its provenance/git.diff "
+            f"is left out"
+        )
+        tags["git.dirty"] = UNKNOWN
+        return tags, files
+    if diff:
+        files["git.diff"] = diff
+    if large:
+        log.warning(
+            f"provenance/git.diff names but leaves out the untracked files over {UNTRACKED_BYTES >> 20} MiB, taken for "
+            f"data: {', '.join(map(shown, large))} (add them to .gitignore, or commit them)"
+        )
+    tags["git.dirty"] = str(bool(diff)).lower()
     return tags, files
 
 
@@ -52,23 +84,45 @@ def template_version(folder: Path) -> str:
     return commit if isinstance(commit, str) and commit else UNKNOWN
 
 
-def uncommitted(top: Path) -> tuple[str, list[str]]:
-    """The changes of the checkout at `top` against its HEAD, as a diff `git apply` takes: tracked
-    files, staged or not, then each untracked file that git does not ignore, as a new file; and
-    the untracked files left out of it for their size."""
-    diff = _git(top, "diff", "HEAD", "--no-color", "--no-ext-diff") or ""
-    untracked = (_git(top, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")
-    large = []
-    for name in filter(None, untracked):
-        path = top / name
-        if not path.is_file():  # a link, or gone since
-            continue
-        if path.stat().st_size > UNTRACKED_BYTES:
+def uncommitted(folder: Path, with_content: bool) -> tuple[str, list[str]]:
+    """The changes to the files under `folder` against HEAD, as a diff `git apply` takes at the top
+    of the checkout: tracked files, staged or not, then each untracked file that git does not
+    ignore, named in a header that `git apply` skips, or (`with_content`) as a new file where it is
+    a file of its own, not named like a secret, of at most UNTRACKED_BYTES; and the untracked files
+    left out for their size. Nothing outside `folder`: in a larger repository, the rest is not the
+    project's."""
+    top, prefix = _git(folder, "rev-parse", "--show-toplevel", "--show-prefix").split("\n")[:2]
+    diff = _git(folder, "diff", "HEAD", "--no-color", "--no-ext-diff", "--", ".")
+    untracked = _git(folder, "ls-files", "--others", "--exclude-standard", "--full-name", "-z", "--", ".")
+    named, large = [], []
+    for name in filter(None, untracked.split("\0")):
+        size = _own_size(Path(top) / name) if with_content and not secret_like(name.removeprefix(prefix)) else None
+        if size is not None and size > UNTRACKED_BYTES:
             large.append(name)
+        if size is None or size > UNTRACKED_BYTES:
+            named.append(name)
             continue
         # git's own form for a new file; it exits 1 when the two differ, as they do.
-        diff += _git(top, "diff", "--no-index", "--no-color", "--no-ext-diff", "--", "/dev/null", name, ok=(1,)) or ""
+        diff += _git(Path(top), "diff", "--no-index", "--no-color", "--no-ext-diff", "--", "/dev/null", name, ok=(1,))
+    if named:
+        diff = NAMED_ONLY + "".join(f"#   {shown(name)}\n" for name in named) + diff
     return diff, large
+
+
+def secret_like(name: str) -> bool:
+    """Whether `name` (a path under the project's folder), or a folder on its way, is named like a
+    secret (SECRET_NAMES)."""
+    return any(fnmatchcase(part.lower(), pattern) for part in PurePosixPath(name).parts for pattern in SECRET_NAMES)
+
+
+def _own_size(path: Path) -> int | None:
+    """The size of `path` if it is a regular file of one name; None for a link (it may lead out of
+    the project: `notes.txt -> ~/.aws/credentials`), a hard link, or a file gone since."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) and found.st_nlink == 1 else None
 
 
 def requirements() -> str:
@@ -81,11 +135,19 @@ def requirements() -> str:
     return "".join(f"{name}=={version}\n" for name, version in sorted(found.items(), key=lambda item: item[0].lower()))
 
 
-def _git(folder: Path, *arguments: str, ok: tuple[int, ...] = ()) -> str | None:
-    """git's output in `folder`; None where git is missing, hangs, or fails (not a checkout, no commit)."""
+def _git(folder: Path, *arguments: str, ok: tuple[int, ...] = ()) -> str:
+    """git's output in `folder`; GitFailed where git is missing, hangs, or fails (not a checkout, a
+    corrupt index), saying why."""
     try:
         command = ["git", "-C", str(folder), *arguments]
         done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=GIT_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode in (0, *ok) else None
+    except FileNotFoundError:
+        raise GitFailed("git is not installed") from None
+    except OSError as error:
+        raise GitFailed(f"git does not start: {error.strerror or error}") from None
+    except subprocess.TimeoutExpired:
+        raise GitFailed(f"git {arguments[0]} took over {GIT_SECONDS} s") from None
+    if done.returncode not in (0, *ok):
+        said = done.stderr.strip().splitlines()
+        raise GitFailed(shown(said[0]) if said else f"git {arguments[0]} exited with {done.returncode}")
+    return done.stdout

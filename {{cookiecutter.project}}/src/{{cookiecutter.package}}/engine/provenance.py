@@ -6,10 +6,13 @@ import hashlib
 import json
 import platform
 import re
+from collections.abc import Set
+from pathlib import PurePath
 
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from .components import RESERVED
@@ -68,10 +71,28 @@ def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict
 
 def run_name(cfg: DictConfig) -> str:
     """The MLflow run's name: `name`, then what the command line changed, less what does not change
-    what the run trains (resume, device, ...: Hydra's override_dirname), as in
-    `demo optimizer=sgd,optimizer.lr=0.1`. A resumed run keeps the name it was given first."""
-    changed = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
-    return f"{cfg.name} {changed}".strip()
+    what the run trains (resume, device, ...: the exclude_keys of Hydra's override_dirname), each
+    path by its last part (`titled`), as in `demo optimizer=sgd,optimizer.lr=0.1` or
+    `cls data.dir=mytexts`. A resumed run keeps the name it was given first."""
+    if not HydraConfig.initialized():
+        return cfg.name
+    hydra = HydraConfig.get()
+    return f"{cfg.name} {titled(hydra.overrides.task, set(hydra.job.config.override_dirname.exclude_keys))}".strip()
+
+
+def titled(overrides: list[str], leaving: Set[str]) -> str:
+    """What a person typed, to name a run by (a sweep job's whole name, a single run's after its
+    `name`): the overrides sorted as Hydra's override_dirname sorts them, less those `leaving` names,
+    each path-valued one by its last part (`data.dir=mytexts`): an absolute path says where a machine
+    keeps a file, not what the run trains, and would crowd out the rest of the name."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    kept = sorted((override for override in parsed if override.key_or_group not in leaving), key=lambda o: o.input_line)
+    return ",".join(
+        f"{override.get_key_element()}={PurePath(value).name or value}"
+        if isinstance(value := override.value(), str) and "/" in value
+        else override.input_line
+        for override in kept
+    )
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:

@@ -12,11 +12,17 @@ it, so that `trainer.max_steps=60` moves it too; a value the run was given stays
 
 So what a resume or an evaluation refuses (another model's shapes, other freeze globs:
 checkpoint/compatibility.py; another model or data to judge: saved_model.py) is what was typed.
+
+A checkpoint is data from anywhere, and its config is read as such: only once its checksum holds
+(checkpoint/resume.py), only as plain nested values (an interpolation in it, `${oc.env:TOKEN}`, is
+refused: this project stores its configs resolved, and nothing of a checkpoint's is resolved), and
+what it would build only where this project could name it (targets.py). Where the run writes and
+where it is tracked are never the checkpoint's (OURS).
 """
 
 import copy
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 from hydra import compose
@@ -25,26 +31,40 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from . import targets
 from .checkpoint.resume import config_at, config_of
 from .components import RUNTIME
-from .config import Config, check_resolved
+from .config import Config, check_resolved, configs_folder
+from .errors import RunError, first_line, shown
 
 COMPONENTS = tuple(RUNTIME)
 # Which run, and where and how this command runs it, which this command line says whatever the
 # checkpoint holds: its name (a checkpoint of another run is refused, compatibility.check_same_run),
-# what it resumes, its home (where `resume=last` found the checkpoint), and the device and strategy
+# what it resumes, its home (where `resume=last` found the checkpoint), whether the storage is
+# trusted (checkpoint.verify), where it is tracked (a project copied elsewhere logs to its own
+# store, and a checkpoint sends no run to a store of its choosing), and the device and strategy
 # (the launch: a ddp or fsdp run resumes in one process with plain `python run.py`, on any device).
-OURS = {("name",), ("resume",), ("checkpoint", "dir"), ("device",), ("strategy",)}
+OURS = {
+    ("name",),
+    ("resume",),
+    ("checkpoint", "dir"),
+    ("checkpoint", "verify"),
+    ("mlflow",),
+    ("device",),
+    ("strategy",),
+}
 ABSENT = object()  # a key that a config does not have
+DEPTH = 32  # levels of nesting a stored config may have; the project's have fewer than 8
 
 
 @dataclass(frozen=True)
 class CommandLine:
-    """What a command line said: its overrides, and the config they were applied to (the project's
-    defaults, composed when asked for: a fresh start never needs them)."""
+    """What a command line said: its overrides, the config they were applied to (the project's
+    defaults, composed when asked for: a fresh start never needs them), and the project's `configs/`."""
 
     overrides: tuple[str, ...]
     defaults: Callable[[], DictConfig]
+    configs: Path
 
     @classmethod
     def typed(cls) -> "CommandLine | None":
@@ -53,7 +73,7 @@ class CommandLine:
             return None
         hydra = HydraConfig.get()
         name = hydra.job.config_name
-        return cls(tuple(hydra.overrides.task), lambda: compose(config_name=name, overrides=[]))
+        return cls(tuple(hydra.overrides.task), lambda: compose(config_name=name, overrides=[]), configs_folder())
 
     def paths(self) -> set[tuple[str, ...]]:
         """The keys typed, `model` (a group) or `optimizer.lr`, `+key` and `~key` alike."""
@@ -69,22 +89,25 @@ def resumed(cfg: Config, said: CommandLine | None) -> Config:
     if said is None or cfg.resume is None:
         return cfg
     check_resolved(cfg)  # its home is read before config.check_values, which checks what is merged
-    saved = config_of(cfg.resume, Path(cfg.checkpoint.dir))
-    return cfg if saved is None else merged(cfg, saved, said, cfg.keys())
+    saved = config_of(cfg.resume, Path(cfg.checkpoint.dir), cfg.checkpoint.verify)
+    return cfg if saved is None else merged(cfg, *saved, said, cfg.keys())
 
 
 def trained(cfg: Config, checkpoint: Path, said: CommandLine) -> Config:
     """The config eval.py and export.py build a checkpoint's model and data with: the components it
     was trained with, with what `said` changed; everything else (device, strategy, MLflow) is this
     command's. A checkpoint that does not read keeps `cfg` (the whole read then says why)."""
-    saved = config_at(checkpoint)
-    return cfg if saved is None else merged(cfg, saved, said, COMPONENTS)
+    saved = config_at(checkpoint, cfg.checkpoint.verify)
+    return cfg if saved is None else merged(cfg, *saved, said, COMPONENTS)
 
 
-def merged(cfg: Config, saved: dict, said: CommandLine, keys: Iterable[str]) -> Config:
-    """`cfg` with the top-level `keys` as `saved` has them, but where `said` changed them. Checked
+def merged(cfg: Config, source: Path, saved: dict, said: CommandLine, keys: Iterable[str]) -> Config:
+    """`cfg` with the top-level `keys` as `saved` (the config of the checkpoint `source`) has them,
+    but where `said` changed them; refused in one line unless `saved` is what this project writes
+    (check_stored) and names only what the project could build (targets.py). Checked
     after, as the command line's config would be (config.check_values): a key of another component
     typed with `++` (`++model.width=32` over the default MLP) is the checkpoint's component's."""
+    check_stored(saved, source)
     now, typed = OmegaConf.to_container(cfg, resolve=False), said.paths()
     before = OmegaConf.to_container(said.defaults(), resolve=False)
     result = copy.deepcopy(cfg)
@@ -97,7 +120,67 @@ def merged(cfg: Config, saved: dict, said: CommandLine, keys: Iterable[str]) -> 
                 result[key] = value
             else:  # a setting, or a group of them: the project's keys, each with its value
                 result.merge_with({key: value})
+    targets.check(OmegaConf.to_container(result, resolve=False), now, said.configs, source)
     return result
+
+
+def check_stored(saved: dict, source: Path) -> None:
+    """Refuses, in one line, a stored config that is not what this project writes (check_plain), or
+    whose settings are not of the types this project's have (config.Config), or whose components
+    are not mappings: every reader of a checkpoint's config (compatibility.py, continuity.py, ...)
+    may then take it for one this project wrote."""
+    check_plain(saved, source)
+    where = f"{shown(source)} holds a config whose"
+    if odd := [key for key in COMPONENTS if not isinstance(saved.get(key, {}), dict)]:
+        raise RunError(f"{where} {odd[0]} is not a mapping, as a component is; pass a checkpoint this project wrote")
+    schema = OmegaConf.structured(Config)
+    for key, value in known(saved, Config).items():
+        try:
+            schema.merge_with({key: value})
+        except OmegaConfBaseException as error:
+            raise RunError(
+                f"{where} {shown(error.full_key or key)} does not fit this project's setting "
+                f"({shown(first_line(error))}); pass a checkpoint this project wrote"
+            ) from None
+
+
+def known(saved: dict, schema: type) -> dict:
+    """The settings of `saved` that `schema` has: one the project has dropped since is no matter."""
+    kept = {}
+    for field in fields(schema):
+        if field.name in saved:
+            value = saved[field.name]
+            nested = is_dataclass(field.type) and isinstance(value, dict)
+            kept[field.name] = known(value, field.type) if nested else value
+    return kept
+
+
+def check_plain(saved: dict, source: Path) -> None:
+    """Refuses, in one line, a stored config that is not plain data as this project writes it:
+    nested dicts of named keys and lists, of strings, numbers, booleans and nulls, at most DEPTH
+    levels deep, and resolved (checkpoint/manager.py saves `OmegaConf.to_container(cfg, resolve=True)`),
+    so that no `${...}` of a checkpoint's is ever resolved, `${oc.env:TOKEN}` included."""
+    pending: list[tuple[tuple[str, ...], object]] = [((), saved)]
+    while pending:
+        path, value = pending.pop()
+        where = f"{shown(source)} holds a config whose {shown('.'.join(path))}"
+        if len(path) > DEPTH:
+            raise RunError(f"{where} lies deeper than {DEPTH} levels; pass a checkpoint this project wrote")
+        if isinstance(value, dict):
+            if odd := [key for key in value if not isinstance(key, str)]:
+                raise RunError(
+                    f"{where} has a key {shown(repr(odd[0]))} that is not a name; pass a checkpoint this project wrote"
+                )
+            pending += [((*path, key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            pending += [((*path, str(number)), item) for number, item in enumerate(value)]
+        elif isinstance(value, str) and "${" in value:
+            raise RunError(
+                f"{where} is an interpolation ({shown(value)}), which this project never stores and never "
+                f"resolves from a checkpoint; pass a checkpoint this project wrote"
+            )
+        elif not (value is None or isinstance(value, str | int | float | bool)):
+            raise RunError(f"{where} is a {type(value).__name__}, not plain data; pass a checkpoint this project wrote")
 
 
 def picked(saved: object, now: object, before: object, path: tuple[str, ...], typed: set, root: dict) -> object:
@@ -107,8 +190,10 @@ def picked(saved: object, now: object, before: object, path: tuple[str, ...], ty
         return now
     if not (isinstance(saved, dict) and isinstance(now, dict)):
         return now if now != before or derived(now, saved, path, root) else saved
-    defaults = before if isinstance(before, dict) else {}
-    if before is not ABSENT and now.get("_target_") != defaults.get("_target_"):
+    defaults, chosen = (before if isinstance(before, dict) else {}), now.get("_target_")
+    # The checkpoint's own target, typed to accept it (targets.py), keeps the checkpoint's component.
+    accepted = path + ("_target_",) in typed and chosen == saved.get("_target_")
+    if before is not ABSENT and chosen != defaults.get("_target_") and not accepted:
         return now  # another component, chosen by a group typed (`experiment=...`)
     # A component's keys are its run's (the arguments it was built with); a group of settings', the project's.
     kept = saved if path[0] in COMPONENTS else now
@@ -125,7 +210,8 @@ def picked(saved: object, now: object, before: object, path: tuple[str, ...], ty
 
 def derived(now: object, saved: object, path: tuple[str, ...], root: dict) -> bool:
     """Whether `now` is an interpolation that gives, in the run's own config `root`, the value
-    `saved` the run has at `path`: derived there, it is derived again here."""
+    `saved` the run has at `path`: derived there, it is derived again here. `now` is this command's;
+    `root` holds no interpolation (check_plain), so it resolves nothing of the checkpoint's."""
     if not (isinstance(now, str) and "${" in now):
         return False
     node = OmegaConf.create(root)

@@ -34,7 +34,7 @@ COMES_BACK = (signal.SIGUSR1, signal.SIGUSR2)
 
 def implied_resume(resume: str | None) -> str | None:
     """`resume`, or `auto` for a job that came back by itself without a `resume=`: the command
-    line that started it (the README's sweep line, say) must continue it, not refuse to start over
+    line that started it (the sweep line of docs/sweeps.md, say) must continue it, not refuse to start over
     its checkpoints. Read at the start, with the job's id that a requeue needs: a variable set by hand
     that cannot be used fails here, in one line, not after the save that a signal asked for."""
     slurm_job()

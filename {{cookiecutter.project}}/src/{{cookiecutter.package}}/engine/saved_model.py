@@ -8,8 +8,11 @@ it is written, moved or set aside. A checkpoint is written whole before any name
 what is read is whole; one that retention deletes while it is read fails its checks, in one line.
 """
 
+import inspect
+import typing
 from pathlib import Path
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.home import BEST, has_checkpoints
@@ -18,7 +21,7 @@ from .checkpoint.schema import Checkpoint
 from .components import RESERVED
 from .config import Config, check_resolved
 from .distributed import World
-from .errors import RunError, listed
+from .errors import RunError, listed, shown
 from .provenance import flatten
 from .remembered import CommandLine, trained
 
@@ -74,15 +77,19 @@ def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
     """Refuses a config whose model or data settings differ from those `saved` was trained with:
     weights of the same shapes load into a model of other settings (more attention heads), and
     another split of the data would judge samples the model trained on. A setting the checkpoint
-    does not hold (added to the project since) is not compared."""
+    does not hold (added to the project since) is not compared, nor a location given in place of
+    another (`locations`): data that moved is read where it is now."""
     differ, asked = [], []
     for group in ("model", "data"):
         now = flatten(OmegaConf.to_container(cfg[group], resolve=True), f"{group}.")
         before = flatten(saved.config.get(group) or {}, f"{group}.")
+        moved = locations(cfg[group])
         for key in sorted(now.keys() & before.keys()):
-            loader = group == "data" and key.removeprefix("data.") in RESERVED["data"]  # changes no sample
-            if not loader and now[key] != before[key]:
-                differ.append(f"{key}={before[key]}")
+            setting = key.removeprefix(f"{group}.")
+            loader = group == "data" and setting in RESERVED["data"]  # changes no sample
+            elsewhere = setting in moved and "None" not in (now[key], before[key])  # null: the built-in example
+            if not (loader or elsewhere) and now[key] != before[key]:
+                differ.append(f"{key}={shown(before[key])}")
                 asked.append(f"{key}={now[key]}")
     if differ:
         raise RunError(
@@ -90,3 +97,17 @@ def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:
             f"model, or other data, than the one to judge; leave those overrides out (the run's own come from its "
             f"checkpoint)"
         )
+
+
+def locations(node: DictConfig) -> set[str]:
+    """The settings of the component `node` that say where its files are, not what they hold: those
+    its constructor annotates as a Path (text_folder's `dir`)."""
+    try:
+        parameters = inspect.signature(get_object(node._target_), eval_str=True).parameters
+    except (TypeError, ValueError, NameError):  # no signature to read, or annotations that do not resolve
+        return set()
+    return {
+        name
+        for name, parameter in parameters.items()
+        if parameter.annotation is Path or Path in typing.get_args(parameter.annotation)
+    }

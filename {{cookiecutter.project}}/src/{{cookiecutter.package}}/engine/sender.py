@@ -20,13 +20,13 @@ from typing import Any
 import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
 
-from .checkpoint.files import read_regular
 from .config import MlflowConfig
 from .errors import first_line
 from .logged_models import log_models, prepare_model_logging
-from .mlflow_store import connect, end_run, open_run, record_origin, set_tags
-from .unsent import discard, replay_command, spill, spill_path, staged
+from .mlflow_store import attach_run, connect, end_run, open_run, record_origin, set_tags
+from .unsent import discard, replay_command, skipped, spill, spill_path, staged, unsent_rows
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,8 @@ class _Sender:
 def drain() -> None:
     """The sender process: waits for the first line on stdin, which asks for a run, opens it and
     answers its id on stdout, then delivers what follows until stdin ends. Started ahead of the
-    run, it may see stdin end first: the run was not tracked."""
+    run, it may see stdin end first: the run was not tracked. A run asked for to `attach` to (a
+    resume with nothing left to train) is left as it is, but for the models it lacks."""
     logging.basicConfig(format="%(message)s", level=logging.INFO)
     answer = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever MLflow prints stays off the answer
@@ -203,9 +204,9 @@ def drain() -> None:
     threading.Thread(target=read, daemon=True).start()
     if (first := incoming.get()) is None:
         return
-    asked = first["open"]
+    asked = first.get("open") or first["attach"]
     cfg = MlflowConfig(**asked["mlflow"])
-    opened = open_run(cfg, asked)
+    opened = open_run(cfg, asked) if "open" in first else attach_run(cfg, asked["run_id"])
 
     def say(value: object) -> None:
         """A line to the trainer, which reads each as it comes; once it is gone (killed, or done
@@ -226,19 +227,20 @@ def drain() -> None:
                 if isinstance(item, dict) and "file" in item:
                     discard(Path(asked["spill_dir"]), item["file"]["path"])
             return
-        monitor = None
-        if cfg.system_metrics:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(
-                opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri
-            )
-            monitor.start()
         mlflow.set_tracking_uri(cfg.tracking_uri)  # where mlflow.pytorch.log_model writes (log_models)
-        # Now, with the run's id answered: git and the package list cost the trainer nothing, and the
-        # metrics that arrive meanwhile wait in `incoming`.
-        model_logging = prepare_model_logging() if cfg.log_models != "none" else None
-        record_origin(opened.client, opened.run_id, opened.resumes)
+        monitor, model_logging = None, None
+        if "open" in first:
+            if cfg.system_metrics:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                monitor = SystemMetricsMonitor(
+                    opened.run_id, resume_logging=opened.resumes > 0, tracking_uri=cfg.tracking_uri
+                )
+                monitor.start()
+            # Now, with the run's id answered: git and the package list cost the trainer nothing, and
+            # the metrics that arrive meanwhile wait in `incoming`.
+            model_logging = prepare_model_logging() if cfg.log_models != "none" else None
+            record_origin(opened.client, opened.run_id, opened.resumes, cfg.untracked_content)
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
         _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor, model_logging).run()
     finally:
@@ -250,27 +252,50 @@ def replay(path: Path, tracking_uri: str) -> tuple[int, int, dict[str, str]]:
     """Sends a file of unsent metrics to `tracking_uri`, and the files it names (deleting each
     once sent), then ends the runs it records the end of; returns how many metrics and files were
     sent, and what became of each recorded end, by run. A file named twice (spilled by a sender
-    that died before it confirmed, and again by the trainer) is sent once: it is gone after."""
+    that died before it confirmed, and again by the trainer) is sent once: it is gone after. A line
+    that cannot be sent (cut short, edited, a metric the store refuses) is skipped, and named."""
     client, metrics_by_run, files, ends = connect(tracking_uri), {}, [], {}
-    for line in read_regular(path).decode(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a writer killed mid-write: what it held is lost
-            log.warning(f"skipping a line of {path} that was cut short: {line[:60]}")
-            continue
+    for line, row in unsent_rows(path):
         if "status" in row:
             ends[row["run_id"]] = row  # a run resumed and stopped again: its last end counts
         elif "file" in row:
             files.append(row)
         else:
             metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
-            metrics_by_run.setdefault(row["run_id"], []).append(metric)
-    for run_id, metrics in metrics_by_run.items():
-        for start in range(0, len(metrics), BATCH_LIMIT):
-            client.log_batch(run_id, metrics=metrics[start : start + BATCH_LIMIT])
+            metrics_by_run.setdefault(row["run_id"], []).append((line, metric))
+    sent = sum(_replay_metrics(client, run_id, metrics, path) for run_id, metrics in metrics_by_run.items())
     sent_files = sum(deliver_file(client, row["run_id"], path.parent, row["file"]) for row in files)
     outcomes = {run_id: _replay_end(client, end) for run_id, end in ends.items()}
-    return sum(len(metrics) for metrics in metrics_by_run.values()), sent_files, outcomes
+    return sent, sent_files, outcomes
+
+
+def _replay_metrics(client: MlflowClient, run_id: str, metrics: list[tuple[int, Metric]], path: Path) -> int:
+    """Sends `metrics`, each with its line in `path`, in batches; returns how many the store took. A
+    batch it refuses as invalid is sent again a metric at a time: one it refuses (a key MLflow does
+    not take) is skipped and named, not the rest with it."""
+    taken = 0
+    for start in range(0, len(metrics), BATCH_LIMIT):
+        batch = metrics[start : start + BATCH_LIMIT]
+        if _refusal(client, run_id, [metric for _, metric in batch]) is None:
+            taken += len(batch)
+            continue
+        for line, metric in batch:
+            if (refusal := _refusal(client, run_id, [metric])) is None:
+                taken += 1
+            else:
+                skipped(path, line, f"MLflow refused it ({refusal})")
+    return taken
+
+
+def _refusal(client: MlflowClient, run_id: str, metrics: list[Metric]) -> str | None:
+    """Logs `metrics`; where the store refuses them as invalid, what it said. Any other failure raises."""
+    try:
+        client.log_batch(run_id, metrics=metrics)
+    except MlflowException as error:
+        if error.error_code != "INVALID_PARAMETER_VALUE":
+            raise
+        return first_line(error)
+    return None
 
 
 def _replay_end(client: MlflowClient, end: dict) -> str:

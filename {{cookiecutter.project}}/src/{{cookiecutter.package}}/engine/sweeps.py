@@ -1,10 +1,10 @@
 """Multirun sweeps (`python run.py -m optimizer=adamw,sgd optimizer.lr=1e-3,3e-3`).
 
-Each sweep gets a parent MLflow run, and each job a child run named by its overrides, so the UI
-groups and compares them. The parent is made by `SweepCallback` in the launching process, and
-jobs find its id in a file in the sweep folder: that works for launchers that run jobs in this
-process, in local worker processes, or on SLURM nodes. Each job also writes its result there,
-and the callback turns the results into a summary table at the end.
+Each sweep gets a parent MLflow run, and each job a child run named by its overrides (a path by
+its last part), so the UI groups and compares them. The parent is made by `SweepCallback` in the
+launching process, and jobs find its id in a file in the sweep folder: that works for launchers
+that run jobs in this process, in local worker processes, or on SLURM nodes. Each job also writes its result there,
+and the callback turns the results into a summary table at the end, which names the best job.
 
 A job fails alone: its error is recorded and the other jobs run. Each job's checkpoints live in
 `checkpoint.dir/<its overrides>`, less the settings a continuation changes (configs/config.yaml lists
@@ -61,6 +61,7 @@ class Job:
     """One job of a sweep, as the job sees itself."""
 
     key: str  # its overrides, less those that a continuation changes (resume, trainer.max_steps, device, ...)
+    title: str  # the same, each path by its last part: its MLflow run's name and its row in the summary
     parent_run_id: str | None
     output_dir: Path
     continuing: frozenset[str] = frozenset()  # the settings left out of the key
@@ -74,7 +75,7 @@ class Job:
 
             cfg.init.checkpoint = str(locate(cfg, cfg.init.checkpoint))
         cfg.checkpoint.dir = str(self._home(Path(cfg.checkpoint.dir), cfg.resume))
-        cfg.mlflow.run_name = cfg.mlflow.run_name or self.key
+        cfg.mlflow.run_name = cfg.mlflow.run_name or self.title
         cfg.mlflow.parent_run_id = self.parent_run_id
         try:
             result = {"status": "FINISHED", **train(cfg)}
@@ -90,7 +91,7 @@ class Job:
             log.error(f"error: {error}")
             result = {"status": "FAILED", "error": str(error)}
         except Exception as error:  # a bug in one job must not cost the others their runs
-            log.error(f"job {self.key} failed:\n{traceback.format_exc()}")
+            log.error(f"job {self.title} failed:\n{traceback.format_exc()}")
             result = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
         self._record(result)
         return result.get(cfg.optimized_metric)
@@ -119,19 +120,22 @@ class Job:
 
     def _record(self, result: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # a job of several SLURM tasks has one result
-            write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.key, **result}))
+            write_text(self.output_dir / RESULT_FILE, json.dumps({"job": self.title, **result}))
 
 
 def current_job() -> Job | None:
     """The sweep job this process is running, or None outside a multirun."""
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
+    from .provenance import titled  # torch: in the job's process, not the launching one
+
     hydra = HydraConfig.get()
     parent_file, swept_file = Path(hydra.sweep.dir) / PARENT_RUN_FILE, Path(hydra.sweep.dir) / SWEPT_FILE
     swept = json.loads(read_regular(swept_file)) if swept_file.exists() else []
     continuing = frozenset(hydra.job.config.override_dirname.exclude_keys) - set(swept)
     return Job(
         key=named(hydra.overrides.task, continuing),
+        title=titled(hydra.overrides.task, continuing) or "defaults",
         parent_run_id=read_regular(parent_file).decode().strip() if parent_file.exists() else None,
         output_dir=Path(hydra.runtime.output_dir),
         continuing=continuing,
@@ -257,25 +261,21 @@ class SweepCallback(Callback):
         results = [
             json.loads(read_regular(path)) for path in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"), key=_job_number)
         ]
-        table = summary_table(results)
+        metric, mode = config.optimized_metric, config.optimized_mode
+        table = summary_table(results, metric, mode)
         log.info(f"sweep summary ({sweep_dir}):\n{table}")
         failed = [result["job"] for result in results if result["status"] != "FINISHED"]
         if self._parent_run_id is not None:
             self._client.log_text(self._parent_run_id, table, "summary.md")
-            self._name_the_best(results, config.optimized_metric, config.optimized_mode)
+            self._name_the_best(winner(results, metric, mode), metric)
             self._end_parent("FAILED" if failed else "FINISHED")
         if failed:
             raise SystemExit(f"{len(failed)} of {len(results)} jobs failed: {', '.join(failed)}")
 
-    def _name_the_best(self, results: list[dict], metric: str, mode: str) -> None:
-        """The parent's row in the UI says who won: the best job by `optimized_metric` and
-        `optimized_mode`, its value and its overrides."""
-        scored = [
-            result for result in results if isinstance(result.get(metric), float) and math.isfinite(result[metric])
-        ]
-        if not scored:
+    def _name_the_best(self, best: dict | None, metric: str) -> None:
+        """The parent's row in the UI says who won (`winner`): its value and its overrides."""
+        if best is None:
             return
-        best = (min if mode == "min" else max)(scored, key=lambda result: result[metric])
         try:
             self._client.log_metric(self._parent_run_id, f"best/{metric}", best[metric])
             self._client.set_tag(self._parent_run_id, "best.job", best["job"])
@@ -301,14 +301,27 @@ class SweepCallback(Callback):
         self._parent_run_id = None
 
 
-def summary_table(results: list[dict]) -> str:
-    """A Markdown table, one row a job: readable on the console and in the MLflow UI."""
+def winner(results: list[dict], metric: str, mode: str) -> dict | None:
+    """The result of the best job by `metric` (optimized_metric) and `mode` (optimized_mode), the first
+    of equals; None where no job reported a finite value of it."""
+    scored = [result for result in results if isinstance(result.get(metric), float) and math.isfinite(result[metric])]
+    return (min if mode == "min" else max)(scored, key=lambda result: result[metric]) if scored else None
+
+
+def figure(value: float) -> str:
+    """A metric's value as a person reads it here and in compare.py: four significant digits in plain
+    notation (0.2046, 559.2), whole from 1000 up (2038, 14157 tokens/s); no thousands separator, no
+    1.416e+04."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def summary_table(results: list[dict], metric: str, mode: str) -> str:
+    """A Markdown table, one row a job, and under it the best job by `metric` and `mode` (`winner`):
+    readable on the console and in the MLflow UI."""
 
     def cell(result: dict, column: str) -> str:
         value = result.get(column, "")
-        if isinstance(value, float):
-            return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
-        return str(value)
+        return figure(value) if isinstance(value, float) else str(value)
 
     scores = sorted({key for result in results for key in result if key.startswith("val/")})
     rates = sorted(
@@ -321,7 +334,9 @@ def summary_table(results: list[dict]) -> str:
         "| " + " | ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)) + " |" for row in rows
     ]
     lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
-    return "\n".join(lines)
+    best = winner(results, metric, mode)
+    said = f"{best['job']}, {figure(best[metric])}" if best else f"none: no job reported a finite {metric}"
+    return "\n".join([*lines, "", f"best by {metric} ({mode}): {said}"])
 
 
 def _job_number(path: Path) -> int:

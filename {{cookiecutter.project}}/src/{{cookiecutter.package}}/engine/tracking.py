@@ -32,6 +32,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlparse
 
 from omegaconf import OmegaConf
@@ -40,7 +41,7 @@ from .config import MlflowConfig, launched_as_main
 from .errors import RunError, first_line
 from .handover import Handover
 from .preemption import SIGNALS
-from .unsent import STAGING, discard, replay_command, staged
+from .unsent import STAGING, discard, drop_staging, replay_command, staged
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class Tracker:
                 "or drop mlflow.system_metrics"
             )
         self._cfg, self._spill_dir, self._main = cfg, spill_dir, main
+        # The run's start, as the run sets up: the sender creates it only when it gets to it, seconds
+        # later in a sweep job (its MLflow import), and MLflow's Duration would miss them.
+        self._started = int(time.time() * 1000)
         self._resumed_run_id: str | None = None  # the run a restored checkpoint was written by
         self._sender: Handover | None = None
         self._models: list[dict] = []  # the checkpoints handed over to be logged as models
@@ -131,8 +135,20 @@ class Tracker:
             "datasets": datasets,
             "checkpoint": checkpoint and str(checkpoint),
             "run_id": self._resumed_run_id,  # the run to continue, if the store has it
+            "started": self._started,
         }
         self._sender.send({"open": asked})
+
+    def attach(self) -> None:
+        """For a resume with nothing left to train: asks the sender for the run a restored checkpoint
+        was written by, left as it is but for the models it lacks (log_models; a sender that died as it
+        logged them). Only where mlflow.log_models asks for models; else the store is not opened."""
+        if self._cfg.enabled and self._main and self._cfg.log_models != "none" and self._resumed_run_id:
+            self._sender = _take_sender()
+            self._sender.spill_dir = self._spill_dir
+            settings = OmegaConf.to_container(self._cfg, resolve=True)
+            asked = {"mlflow": settings, "spill_dir": str(self._spill_dir), "run_id": self._resumed_run_id}
+            self._sender.send({"attach": asked})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queues metrics; returns at once."""
@@ -164,15 +180,16 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Hands over `path`, a file written in staging_dir(), to be logged as MLflow's
         `log_artifact(path, artifact_path)` logs it; returns at once. The file is the tracker's from
-        here: it is deleted once delivered, or at once where it has nowhere to go."""
+        here: it is deleted once delivered, or at once where it has nowhere to go or is refused."""
         if artifact_path is not None and (  # as MLflow checks it, and only as the file is sent
             posixpath.normpath(artifact_path) != artifact_path
             or artifact_path == "."
             or artifact_path.startswith(("..", "/"))
         ):
-            raise ValueError(
+            self._refuse(
+                path,
                 f"artifact_path={artifact_path!r} is no folder of the run's artifacts; give a relative one, such as "
-                f"'figures', or None"
+                f"'figures', or None",
             )
         self._hand_over(path, {"artifact_path": artifact_path})
 
@@ -181,8 +198,16 @@ class Tracker:
         `log_image(image, key=key, step=step)` logs it, in the run's image slider; owned as in
         log_artifact."""
         if not IMAGE_KEY.fullmatch(key):
-            raise ValueError(f"the image key {key!r} is not one MLflow takes; use letters, digits, spaces and _ - . /")
+            self._refuse(
+                path, f"the image key {key!r} is not one MLflow takes; use letters, digits, spaces and _ - . /"
+            )
         self._hand_over(path, {"key": key, "step": int(step), "timestamp": int(time.time() * 1000)})
+
+    def _refuse(self, path: Path, reason: str) -> NoReturn:
+        """Raises `reason` (ValueError) for a file handed over under a name MLflow would refuse: the
+        file, the tracker's, is deleted first, or it would wait in staging_dir() forever."""
+        discard(self._spill_dir, os.path.relpath(path, self._spill_dir))
+        raise ValueError(reason)
 
     def _hand_over(self, path: Path, what: dict) -> None:
         name = os.path.relpath(path, self._spill_dir)
@@ -213,8 +238,9 @@ class Tracker:
         self.log_metrics({"checkpoint/loss": loss}, step)
         self.flush()
 
-    def finish(self, status: str) -> None:
-        """Ends the run as FINISHED, KILLED or FAILED, after the metrics still queued.
+    def finish(self, status: str | None) -> None:
+        """Ends the run as FINISHED, KILLED or FAILED (None: a run only attached to, left as it was),
+        after the metrics still queued; then drops the folder of files for MLflow, once empty.
 
         The sender process ends it, so that the run is not over in the UI while metrics still
         arrive; and, if the store refuses, it records the end in the spill file after the
@@ -222,15 +248,15 @@ class Tracker:
         sender died, this process has written them there itself, and now replays that file; and
         says which of the models it handed over are not logged.
         """
-        if self._sender is None:
-            return
-        opened = self._sender.opened()
-        run_id = opened["run_id"]
-        end = {"status": status, "end_time": int(time.time() * 1000), "resumes": opened["resumes"]} if run_id else None
-        if (spilled := self._sender.close(end)) is not None:
-            self._replay(*spilled)
-        if self._sender.died is not None and self._models:
-            self._unlogged(self._sender.died)
+        if self._sender is not None:
+            opened, now = self._sender.opened(), int(time.time() * 1000)
+            end = {"status": status, "end_time": now, "resumes": opened["resumes"]}
+            if (spilled := self._sender.close(end if opened["run_id"] and status else None)) is not None:
+                self._replay(*spilled)
+            if self._sender.died is not None and self._models:
+                self._unlogged(self._sender.died)
+        if self._main:  # one process tidies the folder that every process's files pass through
+            drop_staging(self._spill_dir)
 
     def _replay(self, died: str, spill_file: Path, first_step: int | None) -> None:
         """What a dead sender left to this process, sent now (importing MLflow, as only here)."""

@@ -25,7 +25,7 @@ from .data import Position, batches, build_data, build_loader, evaluation_loader
 from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
 from .divergence import Divergence
-from .errors import RunError, reported
+from .errors import RunError, reported, shown
 from .evaluation import build_metrics, check_wiring, evaluate
 from .hooks import CallbackError, Callbacks
 from .monitor import Monitor
@@ -83,11 +83,13 @@ def train_in(cfg: Config, world: World) -> dict:
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
         run, checkpoints, found = setup(cfg, world, home)
+        if run.step >= cfg.trainer.max_steps or run.monitor.stopped:  # a resume with nothing left to train
+            return nothing_to_train(run, checkpoints)
 
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
-        status = "FAILED"
-        with Preemption() as preemption:
+        status, unsaved = "FAILED", None
+        with Preemption(cfg.trainer.hook_timeout_s) as preemption:
             lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))
             run.tracker.open(*record(cfg, world, lineage), checkpoint=found and found.path, datasets=inputs)
             try:
@@ -97,9 +99,13 @@ def train_in(cfg: Config, world: World) -> dict:
                         result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
                     except CallbackError as error:  # raised on every process at once (hooks.py)
                         where, then = checkpoints.on_disk(), checkpoints.continuation()
-                        raise RunError(f"{error}; {where}; fix it, then {then}") from None
+                        if error.stopped is None:
+                            raise RunError(f"{error}; {where}; fix it, then {then}") from None
+                        # A stop that cut short a hook of a callback that keeps state: stopped unsaved.
+                        preemption.received, unsaved = error.stopped, f"{error}; {where}"
                 # Short of max_steps: stopped by a signal, unless early stopping ended it.
-                status = "FINISHED" if run.step >= cfg.trainer.max_steps or run.monitor.stopped else "KILLED"
+                finished = run.step >= cfg.trainer.max_steps or run.monitor.stopped
+                status = "FINISHED" if finished and unsaved is None else "KILLED"
                 # One stopped to come back logs its models when it ends; one that a signal reached at
                 # its end is about to be killed.
                 if status == "FINISHED" and not preemption.received:
@@ -112,7 +118,7 @@ def train_in(cfg: Config, world: World) -> dict:
         # After the MLflow run is ended: a requeue has SLURM stop every process of the job.
         comeback = world.on_main(lambda: restarts.requeue(preemption.received))
         log.info(
-            f"stopped at step {run.step} by {preemption.received.name}; saved {newest}; "
+            f"stopped at step {run.step} by {preemption.received.name}; {unsaved or f'saved {newest}'}; "
             f"{comeback or 'continue with resume=last'}"
         )
         raise Stopped(preemption.received, comeback)
@@ -240,7 +246,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     schedule, each save validated for its rank (checkpoint.keep_best). A save that fails (a full
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
     stops the run before it can save (divergence.py). Returns the last loss and the throughput
-    over the run, or nothing when there was no step left to train."""
+    over the run, or nothing when a signal stopped it before its first step."""
     trainer, save_every, keep_best = run.trainer, run.cfg.checkpoint.every_n_steps, run.cfg.checkpoint.keep_best
     loader = build_loader(
         run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world, trainer.grad_accum_steps
@@ -279,7 +285,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                     validate(run, loss.item())
                 checkpoints.try_save(run.step)
     divergence.check(checkpoints.standing)
-    # A run resumed at its last step trains nothing: no training loss or throughput to report.
+    # A run stopped before its first step trains nothing: no training loss or throughput to report.
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
 
 
@@ -299,7 +305,7 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     """The final validation and the last save, which must succeed, then the callbacks' on_fit_end
     (at a signal too: run.step says where); the run's result, the same on every process (the
     MLflow run id is rank 0's)."""
-    val = validate(run, trained.get("train/loss"))  # no loss when no step was left to train
+    val = validate(run, trained.get("train/loss"))  # no loss when stopped before the first step
     run.tracker.log_metrics({key: value for key, value in trained.items() if key.startswith("train/mean_")}, run.step)
     checkpoints.final(run.step)
     if run.monitor.stopped:
@@ -308,6 +314,22 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     run.callbacks.call("on_fit_end", run, {**trained, **val})
     run_id = run.world.broadcast(run.tracker.run_id)
     return {**trained, **val, "continuity": verdict, "step": run.step, "run_id": run_id}
+
+
+def nothing_to_train(run: Run, checkpoints: Checkpointer) -> dict:
+    """A resume of a run at trainer.max_steps, or stopped early: says so and leaves the run as it was
+    (checkpoints, callbacks, MLflow run), but for the models mlflow.log_models names that its MLflow
+    run lacks (a sender that died logging them). The result's scores are evaluated again, logged nowhere."""
+    finished = run.step >= run.trainer.max_steps
+    done, more = ("finished", "max_steps") if finished else ("stopped early", "early_stopping.patience")
+    log.info(
+        f"{shown(run.cfg.name)} {done} at step {run.step} already: nothing to train; raise trainer.{more} to continue"
+    )
+    val = evaluate(run, run.val_loader)
+    run.tracker.attach()
+    log_models(run, checkpoints)
+    run.tracker.finish(None)
+    return {**val, "step": run.step, "run_id": run.world.broadcast(run.tracker.state_dict()["run_id"])}
 
 
 def log_models(run: Run, checkpoints: Checkpointer) -> None:

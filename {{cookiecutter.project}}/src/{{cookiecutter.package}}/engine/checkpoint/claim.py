@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointError, RunError
+from ..errors import CheckpointError, RunError, shown, typed
 from .files import NotPlain, load_restricted, open_plain, remove, temporary
 from .home import LOCK, TEMPORARY, has_checkpoints, steps
 from .schema import STATE
@@ -124,9 +124,9 @@ def _taken(home: Path, fresh: str) -> str:
             f"{home} already holds checkpoints{of}; continue them with resume=last, "
             f"or start a separate run with name=<new name> (or checkpoint.dir=<path>)"
         )
-    return (
-        f"{home} holds the checkpoints of another run, {owner!r}; continue that run with name={owner} "
-        f"checkpoint.dir={home} resume=last, or give {fresh!r} a folder of its own with checkpoint.dir=<path>"
+    return (  # the owner's name is read from a checkpoint: data from anywhere, pasted into a command
+        f"{home} holds the checkpoints of another run, {shown(owner)!r}; continue that run with name={typed(owner)} "
+        f"checkpoint.dir={typed(home)} resume=last, or give {fresh!r} a folder of its own with checkpoint.dir=<path>"
     )
 
 

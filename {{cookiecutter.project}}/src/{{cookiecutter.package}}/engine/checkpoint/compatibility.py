@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ..errors import RunError, listed
+from ..errors import RunError, listed, shown, typed
 from ..provenance import flat_params, flatten
 from .schema import Checkpoint
 
@@ -24,7 +24,7 @@ def check_fits(saved: Checkpoint, cfg: DictConfig, model: nn.Module) -> None:
     before, now = saved.setting("optimizer", "_target_"), cfg.optimizer._target_
     if before != now:
         raise RunError(
-            f"the checkpoint was trained with optimizer {before}, this run asks for {now}; resume with the "
+            f"the checkpoint was trained with optimizer {shown(before)}, this run asks for {now}; resume with the "
             f"optimizer it was trained with, or start a new run with name=<new name>"
         )
     check_same_groups(saved, cfg)
@@ -35,11 +35,11 @@ def check_same_run(saved: Checkpoint, name: str) -> None:
     """A resume continues the run that wrote the checkpoint, under its own name: the same
     checkpoints and MLflow run carried on by two names would be two lines of one history."""
     saved_name = saved.run_name or name
-    if saved_name != name:
+    if saved_name != name:  # read from the checkpoint: data from anywhere, pasted into a command
         raise RunError(
-            f"{saved.path} is a checkpoint of the run {saved_name!r}, not of {name!r}; continue that run with "
-            f"name={saved_name} resume=last, or drop resume= and start this one from its weights with "
-            f"init.checkpoint={saved.path}"
+            f"{saved.path} is a checkpoint of the run {shown(saved_name)!r}, not of {name!r}; continue that run with "
+            f"name={typed(saved_name)} resume=last, or drop resume= and start this one from its weights with "
+            f"init.checkpoint={typed(saved.path)}"
         )
 
 
@@ -56,9 +56,9 @@ def check_same_groups(saved: Checkpoint, cfg: DictConfig) -> None:
     for key, (before, now) in grouping.items():
         if before != now:
             raise RunError(
-                f"the checkpoint was trained with the {key} globs {before}, this run asks for {now}, and its "
+                f"the checkpoint was trained with the {key} globs {shown(before)}, this run asks for {now}, and its "
                 f"optimizer state is grouped by them; resume with the same globs, or start a new run from its weights "
-                f"with name=<new name> init.checkpoint={saved.path}"
+                f"with name=<new name> init.checkpoint={typed(saved.path)}"
             )
 
 
@@ -129,7 +129,8 @@ def report_changes(saved: Checkpoint, cfg: DictConfig, device: torch.device) -> 
         if key not in UNREPORTED and not key.startswith("device.") and before.get(key) != value
     }
     if changed:
-        log.info("resuming with changed settings: " + ", ".join(f"{key} {change}" for key, change in changed.items()))
+        said = ", ".join(f"{key} {change}" for key, change in changed.items())
+        log.info(shown(f"resuming with changed settings: {said}"))  # the checkpoint's values: data from anywhere
 
 
 def report_lr_move(saved: Checkpoint, before: float, now: float, cfg: DictConfig) -> None:
@@ -139,8 +140,8 @@ def report_lr_move(saved: Checkpoint, before: float, now: float, cfg: DictConfig
         return
     horizon, wanted = saved.setting("scheduler", "total_steps"), cfg.scheduler.get("total_steps")
     keep = (
-        f" (scheduler.total_steps {horizon} -> {wanted}; to keep the schedule the run was trained on, resume "
-        f"with scheduler.total_steps={horizon})"
+        f" (scheduler.total_steps {shown(horizon)} -> {wanted}; to keep the schedule the run was trained on, resume "
+        f"with scheduler.total_steps={typed(horizon)})"
         if horizon != wanted
         else ""
     )

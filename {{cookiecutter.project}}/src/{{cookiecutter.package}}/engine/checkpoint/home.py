@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -107,14 +108,19 @@ def rank(home: Path, scored: dict[str, dict], metric: str, mode: str, kept: set[
     A checkpoint ranked by another metric or mode (a resume that changed optimized_metric) is not
     comparable: the best of each such ranking is held, kept until someone deletes it. Returns the
     names retention keeps for the ranking: the best and those held. With `kept`, the names retention
-    keeps besides, the scores of the others go. The ranking is durable before anything is deleted."""
+    keeps besides, the scores of the others go. A checkpoint the ranking does not list (saved by a
+    run killed before it ranked it, or beside a ranking from elsewhere) is ranked by the score it
+    holds, so that retention never deletes a best it was not told of. The ranking is durable before
+    anything is deleted."""
     ledger = _ledger(home)
-    if isinstance(ledger, dict):
-        known, held_before = ledger["known"], ledger["held"]
-    else:
-        known, held_before = _rebuilt(home, ledger, set(scored)), set()
+    known, held_before = (ledger["known"], ledger["held"]) if isinstance(ledger, dict) else ({}, set())
+    on_disk = [path for _, path in sorted(steps(home))]
+    unlisted = [path for path in on_disk if path.name not in known.keys() | scored.keys()]
+    if unlisted and not isinstance(ledger, dict):
+        log.warning(f"{home / SCORES} {ledger}: the checkpoints are ranked again by the scores they hold")
+    known |= _own_scores(unlisted)
     known |= {name: found for name, score in scored.items() if (found := _checked(name, score))}
-    present = {path.name for _, path in steps(home)}
+    present = {path.name for path in on_disk}
     rankings: dict[tuple[str, str], dict[str, float]] = {}
     for name, (by, order, value) in known.items():
         if name in present and math.isfinite(value):
@@ -157,10 +163,18 @@ def rerank(home: Path) -> None:
 
 def _ledger(home: Path) -> dict | str:
     """`scores.json`, if it is one this module wrote: its `metric` and `mode`, the scores it records
-    (`known`) and the names it holds apart (`held`); else what is wrong with it (missing, a FIFO,
-    damaged, foreign), and the checkpoints are ranked by the scores they hold."""
+    (`known`) and the names it holds apart (`held`); else what is wrong with it (missing, a link, a
+    FIFO, damaged, foreign), and the checkpoints are ranked by the scores they hold. A link, symbolic
+    or hard, is not read: it shares another run's ranking (this module writes none; its writes
+    replace one)."""
+    path = home / SCORES
     try:
-        ledger = json.loads(read_regular(home / SCORES))
+        found = os.lstat(path)
+        if stat.S_ISLNK(found.st_mode):
+            return "is a symbolic link"
+        if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+            return "is a hard link"
+        ledger = json.loads(read_regular(path))
     except FileNotFoundError:
         return "is missing"
     except NotRegular as refused:
@@ -185,14 +199,10 @@ def _ledger(home: Path) -> dict | str:
     return {**by, "known": known, "held": set(ledger.get("held", {}))}
 
 
-def _rebuilt(home: Path, problem: str, scored: set[str]) -> dict[str, Score]:
-    """The scores the checkpoints in `home` hold themselves (but those of `scored`), for a ranking
-    `scores.json` cannot give: each read without its tensors."""
-    unranked = [path for _, path in sorted(steps(home)) if path.name not in scored]
-    if unranked:
-        log.warning(f"{home / SCORES} {problem}: the checkpoints are ranked again by the scores they hold")
+def _own_scores(checkpoints: list[Path]) -> dict[str, Score]:
+    """The scores `checkpoints` hold themselves, by name: each read without its tensors."""
     known = {}
-    for path in unranked:
+    for path in checkpoints:
         try:
             state = load_restricted(path / STATE if path.is_dir() else path, path, device="meta")
         except CheckpointError as error:
@@ -201,6 +211,11 @@ def _rebuilt(home: Path, problem: str, scored: set[str]) -> dict[str, Score]:
         if isinstance(state, dict) and (found := _checked(path.name, state.get("score"))):
             known[path.name] = found
     return known
+
+
+def score_of(state: dict) -> Score | None:
+    """The score a checkpoint's state holds, if it is a metric's value (a crafted one is not)."""
+    return _score(state.get("score"))
 
 
 def _checked(name: str, score: object) -> Score | None:

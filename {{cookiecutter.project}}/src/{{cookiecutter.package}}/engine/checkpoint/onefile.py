@@ -65,13 +65,13 @@ def _save_sealed(state: dict, file: BinaryIO) -> None:
         file.write(SEAL_SIZE.to_bytes(2, "little") + b"crc32c:%08x" % written.crc)
 
 
-def read(path: Path, verify: bool) -> object:
-    """The file's contents, on the CPU, restricted to tensors and plain values; with `verify`, its
-    checksums checked in another thread while torch reads."""
+def read(path: Path, verify: bool, device: str = "cpu") -> object:
+    """The file's contents, on the CPU (or, on "meta", without its tensors' bytes), restricted to
+    tensors and plain values; with `verify`, its checksums checked in another thread while torch reads."""
     with ThreadPoolExecutor(max_workers=1) as checker:
         damaged = checker.submit(_check, path) if verify else None
         try:
-            state = load_restricted(path, path)
+            state = load_restricted(path, path, device)
         finally:
             if damaged is not None:
                 damaged.result()  # a damaged file is named as such, not as whatever torch made of it

@@ -14,7 +14,7 @@ from ..distributed import World
 from ..errors import CheckpointError, RunError
 from . import home as homes
 from . import onefile, schema
-from .files import kind, load_restricted
+from .files import kind
 from .schema import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -60,18 +60,27 @@ def find(resume: str | None, home: Path, verify: bool = True) -> Checkpoint | No
     return at(Path(resume).expanduser().resolve(), verify, f"resume={resume}", "resume=last, resume=auto")
 
 
-def config_of(resume: str | None, home: Path) -> dict | None:
-    """The config of the run that saved the checkpoint `resume=` names (`config_at`); None at a fresh start."""
+def config_of(resume: str | None, home: Path, verify: bool) -> tuple[Path, dict] | None:
+    """Where the checkpoint `resume=` names is, and the config of the run that saved it (`config_at`);
+    None at a fresh start."""
     if resume is None:
         return None
-    return config_at(home if resume in ("last", "auto") else Path(resume).expanduser().resolve())
+    return config_at(home if resume in ("last", "auto") else Path(resume).expanduser().resolve(), verify)
 
 
-def config_at(path: Path) -> dict | None:
-    """The config a checkpoint was saved with, read before anything is built, by every process and
-    without its tensors' bytes (the pickle alone): of a checkpoint file or folder, or of the newest
-    that reads in a home (or the home a pointer names). None where none reads: the whole read, which
-    follows, says why."""
+def config_at(path: Path, verify: bool) -> tuple[Path, dict] | None:
+    """The checkpoint that `path` names, and the config it was saved with (`state_at`); None where
+    none reads: the whole read, which follows, says why."""
+    found = state_at(path, verify)
+    return found and (found[0], found[1]["config"])
+
+
+def state_at(path: Path, verify: bool) -> tuple[Path, dict] | None:
+    """The checkpoint that `path` names, and what it holds but its tensors' bytes (the pickle alone),
+    read before anything is built, by every process: of a checkpoint file or folder, or of the newest
+    in a home that is whole (or the home a pointer names). With `verify`, not before the checksum of
+    the file that holds it holds: a damaged file is not a config to build from, and is passed over as
+    `newest_valid` passes over it. None where none reads."""
     try:
         path = home_named(path)
     except RunError:  # a `best` that names nothing: the whole read says so
@@ -82,11 +91,11 @@ def config_at(path: Path) -> dict | None:
     for candidate in candidates:
         state_file = candidate / schema.STATE if candidate.is_dir() else candidate
         try:
-            state = load_restricted(state_file, state_file, device="meta")
+            state = onefile.read(state_file, verify, device="meta")
+            schema.check(candidate, state, sharded=candidate.is_dir())
         except (CheckpointError, OSError):
             continue
-        if isinstance(state, dict) and isinstance(state.get("config"), dict):
-            return state["config"]
+        return candidate, state
     return None
 
 
