@@ -29,7 +29,6 @@ DEFAULT_MAX_STEPS = 300  # configs/config.yaml's trainer.max_steps
 
 # (pattern, replacement, why): applied in order to every line that runs.
 REWRITES: list[tuple[str, str, str]] = [
-    (r"gh:org/continuum", str(TEMPLATE), "no network here; the README says a local path works"),
     # The test's venv already holds torch and every dependency; the project goes into it.
     (r"python3 -m venv \.venv && (\. \.venv/bin/activate)?( && )?", "", "venv exists"),
     (

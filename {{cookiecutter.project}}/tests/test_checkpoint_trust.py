@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BASE, PROJECT, losses, run_cli
-from hydra import compose, initialize_config_dir
+from conftest import PROJECT, losses, run_cli
 from omegaconf import OmegaConf
 from test_checkpoints import corrupt
 from test_distributed import CPU, store
+from test_remembered import composed
 
 import {{cookiecutter.package}}
 from {{cookiecutter.package}}.engine import targets
@@ -28,7 +28,7 @@ from {{cookiecutter.package}}.engine.checkpoint import onefile
 from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError
 from {{cookiecutter.package}}.engine.evaluating import evaluate_checkpoint
 from {{cookiecutter.package}}.engine.exporting import export
-from {{cookiecutter.package}}.engine.remembered import CommandLine, trained
+from {{cookiecutter.package}}.engine.remembered import trained
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -53,15 +53,6 @@ def typed(tmp_path, tracking_uri) -> Callable:
     """Composes `python run.py <overrides>` (eval.py, export.py: the same config) with MLflow off, and
     says what was typed, as the scripts hand it on; each run's home under this test's folder."""
     return lambda *overrides: composed(tmp_path / "checkpoints", tracking_uri, QUIET, *overrides)
-
-
-def composed(homes: Path, tracking_uri: str, *overrides: str) -> tuple:
-    values = {**BASE, "checkpoint.dir": f"{homes}/" + "${name}", "mlflow.tracking_uri": tracking_uri}
-    values.update(override.split("=", 1) for override in overrides)
-    said = tuple(f"{key}={value}" for key, value in values.items())
-    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-        cfg, defaults = compose("config", overrides=list(said)), compose("config")
-    return cfg, CommandLine(said, lambda: defaults, PROJECT / "configs")
 
 
 def crafted(written: Path, path: Path, change: Callable[[dict], object]) -> Path:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
+from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine import distributed, train
@@ -98,6 +99,7 @@ def test_a_slurm_task_gets_the_variables_torchrun_would_set(monkeypatch):
     ],
 )  # fmt: skip
 def test_a_launch_that_does_not_match_the_strategy_is_refused(make_cfg, monkeypatch, overrides, launched, message):
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as python run.py starts: no job of another test's
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for name, value in launched.items():
         monkeypatch.setenv(name, value)

@@ -4,6 +4,7 @@ its checkpoint holds; what a command line types changes what it names, and nothi
 import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,15 +32,17 @@ def typed(tmp_path, tracking_uri):
     """Composes `python run.py <overrides>` and says what was typed, as run.py hands it to the recipe;
     each run's checkpoints in a home of its name."""
 
-    def make(*overrides: str) -> tuple:
-        values = {**BASE, "checkpoint.dir": f"{tmp_path}/checkpoints/" + "${name}", "mlflow.tracking_uri": tracking_uri}
-        values.update(override.split("=", 1) for override in overrides)
-        said = tuple(f"{key}={value}" for key, value in values.items())
-        with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-            cfg, defaults = compose("config", overrides=list(said)), compose("config")
-        return cfg, CommandLine(said, lambda: defaults, PROJECT / "configs")
+    return lambda *overrides: composed(tmp_path / "checkpoints", tracking_uri, *overrides)
 
-    return make
+
+def composed(homes: Path, tracking_uri: str, *overrides: str) -> tuple:
+    """The config of `python run.py <overrides>`, each run's home in `homes`, and what was typed."""
+    values = {**BASE, "checkpoint.dir": f"{homes}/" + "${name}", "mlflow.tracking_uri": tracking_uri}
+    values.update(override.split("=", 1) for override in overrides)
+    said = tuple(f"{key}={value}" for key, value in values.items())
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        cfg, defaults = compose("config", overrides=list(said)), compose("config")
+    return cfg, CommandLine(said, lambda: defaults, PROJECT / "configs")
 
 
 def test_a_resume_by_name_takes_the_runs_settings_and_changes_only_what_it_types(typed, client, caplog, tmp_path):

@@ -83,7 +83,7 @@ def train_in(cfg: Config, world: World) -> dict:
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
         run, checkpoints, found = setup(cfg, world, home)
-        if run.step >= cfg.trainer.max_steps or run.monitor.stopped:  # a resume with nothing left to train
+        if found and (run.step >= cfg.trainer.max_steps or run.monitor.stopped):  # a resume with nothing left to train
             return nothing_to_train(run, checkpoints)
 
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
