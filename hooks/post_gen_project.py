@@ -30,7 +30,7 @@ LOCAL = ("_output_dir", "_repo_dir", "_checkout")
 KEEP_EMPTY = frozenset({"py.typed"})
 # The files the README calls yours: `cruft update` leaves them out of the two renders it compares,
 # so it never writes them; the ready components they name live in the engine, which it updates.
-COMPONENTS = ("models", "datasets", "tasks", "callbacks", "schedulers")
+COMPONENTS = ("models", "datasets", "tasks", "metrics", "callbacks", "schedulers")
 YOURS = [*(f"src/{PACKAGE}/{name}.py" for name in COMPONENTS), "configs"]
 
 

@@ -40,7 +40,7 @@ MAKERS = {
 NEXT_STEPS = "Created my-trainer. Next, as its README says:"
 SKIP_HINT = "Before a first cruft update, add your files to .cruft.json as docs/updating.md shows:"
 # The files the README calls yours, which `.cruft.json`'s skip list keeps out of every update.
-KINDS = ("models", "datasets", "tasks", "callbacks", "schedulers")
+KINDS = ("models", "datasets", "tasks", "metrics", "callbacks", "schedulers")
 YOURS = [*(f"src/{PACKAGE}/{kind}.py" for kind in KINDS), "configs"]
 # What a user adds to each of them, before the ready components moved into the engine: code
 # appended to the module that then held the ready ones, using what that module imports (the
@@ -247,7 +247,7 @@ def after_the_move(template: Path, layout: str) -> str:
 
 
 def yours(project: Path) -> dict[str, bytes]:
-    """The bytes of every file of the user's: the five modules and all of configs/."""
+    """The bytes of every file of the user's: the six modules and all of configs/."""
     files = [project / "src" / PACKAGE / f"{kind}.py" for kind in KINDS]
     files += sorted(path for path in (project / "configs").rglob("*") if path.is_file())
     return {str(path.relative_to(project)): path.read_bytes() for path in files}

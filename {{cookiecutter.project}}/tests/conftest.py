@@ -18,6 +18,7 @@ from mlflow.entities import Run
 from omegaconf import DictConfig
 
 from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.goodput import BUCKETS
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -280,3 +281,17 @@ def hold(home: Path, fork: bool = False) -> subprocess.Popen:
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     return holder
+
+
+def goodput_of(run: Run) -> dict[str, float]:
+    """The `goodput/*` metrics of `run` (their last values, without the prefix), checked to add up:
+    the buckets to the wall time the legs' clocks read, each within 10 ms a leg (the resolution of a
+    process's start time), and the fraction to training's share of it."""
+    found = {
+        key.removeprefix("goodput/"): value for key, value in run.data.metrics.items() if key.startswith("goodput/")
+    }
+    buckets = sum(found[f"{bucket}_s"] for bucket in BUCKETS)
+    assert buckets == pytest.approx(found["wall_s"], abs=0.01 * found["legs"]), found
+    assert found["fraction"] == pytest.approx(found["train_s"] / found["wall_s"]), found
+    assert min(found.values()) >= 0, found
+    return found

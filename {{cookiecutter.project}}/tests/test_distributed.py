@@ -16,7 +16,7 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
+from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
 
@@ -358,6 +358,7 @@ def test_a_rank_killed_twenty_times_under_max_restarts_resumes_each_time_and_fin
     assert resumed == [(str(every * attempt), "ok") for attempt in range(1, kills + 1)], output
     run = only_run(store(project), "demo")
     assert run.info.status == "FINISHED" and run.data.tags["resumes"] == str(kills)
+    assert goodput_of(run)["legs"] == kills + 1  # every attempt counted, the killed ones by the next
 
 
 def test_a_rank_killed_in_a_job_of_two_nodes_restarts_both_and_resumes(project, save_gate):

@@ -154,6 +154,9 @@ def test_a_sharded_checkpoint_of_two_processes_is_judged_by_one_and_a_one_file_c
         # Another number of processes adds the shares in another order: equal to rounding.
         assert printed(output)["val/loss"] == pytest.approx(logged, rel=1e-5)
         assert judged.data.metrics["val/loss"] == printed(output)["val/loss"]
+        # The same samples right, counted over every process's share: one process's alone differ.
+        right = val_losses(client, trained.info.run_id, "val/accuracy")[10]
+        assert printed(output)["val/accuracy"] == pytest.approx(right, abs=1e-6)
 
 
 def test_weights_of_other_shapes_are_refused_naming_the_models_setting(make_cfg, checkpoint_dir):

@@ -378,7 +378,9 @@ def test_a_full_disk_during_a_sharded_save_costs_a_warning_and_leaves_no_partial
     assert warnings[0].endswith(f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000005'}")
     assert warnings[1:] == ["saving works again: step 15 is saved"]
     names = sorted(path.name for path in checkpoint_dir.iterdir())
-    assert names == ["best", "latest", "run.lock", "scores.json", "step_00000005", "step_00000015", "step_00000020"]
+    assert names == [
+        "best", "goodput.json", "latest", "run.lock", "scores.json", "step_00000005", "step_00000015", "step_00000020"
+    ]  # fmt: skip
 
 
 KILLED_WHILE_ITS_WORKER_WAITS = """

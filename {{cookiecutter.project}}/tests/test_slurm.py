@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import losses, runs_named, start
+from conftest import goodput_of, losses, runs_named, start
 from mlflow import MlflowClient
 from slurm_cluster import Cluster, unavailable
 
@@ -73,6 +73,7 @@ def check_came_back(project: Path, slurm: Cluster, job: str, sweep: subprocess.P
     runs = runs_named(client, "demo", "tags.resumes = '1'")
     (run,) = [run for run in runs if "mlflow.parentRunId" in run.data.tags]
     assert run.info.status == "FINISHED"
+    assert goodput_of(run)["legs"] == 2  # the goodput of both legs, whatever came between them
     assert {step: len(values) for step, values in losses(client, run.info.run_id).items()} == {
         step: 1 for step in range(1, 61)
     }

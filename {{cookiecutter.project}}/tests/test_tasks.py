@@ -49,7 +49,7 @@ def test_the_language_model_resumed_after_sigterm_mid_epoch_matches_the_unbroken
     assert resumed["continuity"] == "ok"
     assert losses(client, resumed["run_id"]) == expected
     assert (resumed["val/loss"], resumed["val/perplexity"]) == (reference["val/loss"], reference["val/perplexity"])
-    # Both are per token: torchmetrics' perplexity is exp of the loss validation reports.
+    # Both are per token: perplexity is exp of the loss validation reports.
     assert resumed["val/perplexity"] == pytest.approx(math.exp(resumed["val/loss"]), rel=1e-5)
     rates = losses(client, resumed["run_id"], "train/tokens_per_s")
     assert sorted(rates) == list(range(1, 31)) and all(rate > 0 for (rate, *_) in rates.values())

@@ -59,6 +59,7 @@ class ContinuityConfig:
 class CheckpointConfig:
     dir: str = MISSING
     every_n_steps: int = MISSING
+    every_s: float | None = None  # also a save this long after the last (at a logging step); null: off
     keep_last: int = MISSING
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
     async_save: bool = True  # written by a background thread while training goes on (checkpoint/background.py)
@@ -259,6 +260,7 @@ RULES = [
     )),
     ("trainer.grad_clip", lambda v: v > 0, "must be positive, or null for no clipping"),
     ("trainer.hook_timeout_s", lambda v: v > 0, "must be positive, or null for no bound"),
+    ("checkpoint.every_s", lambda v: v > 0, "must be positive (seconds between saves), or null to save by step only"),
     ("seed", lambda v: 0 <= v < 2**31, "must be between 0 and 2147483647 (each process draws from seed + its rank)"),
 ]  # fmt: skip
 # A component's own ranges (optimizer.lr=-1, model.dropout=1.5) are its constructor's to refuse.

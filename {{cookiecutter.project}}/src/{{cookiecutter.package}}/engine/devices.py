@@ -4,6 +4,7 @@ audit that proves every tensor the first step touches is on that device."""
 import functools
 import logging
 import platform
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,6 +123,13 @@ def audit_placement(
     raise RunError(
         f"{len(problems)} tensor(s) not on {device}: {'; '.join(problems)}. Likely cause: {'; '.join(hints)}"
     )
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether `value` is a DTensor (fsdp's shard of a tensor), without importing
+    torch.distributed.tensor, a third of a second of every start-up: none exists before it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> bool:

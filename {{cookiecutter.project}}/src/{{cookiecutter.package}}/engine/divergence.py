@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .config import TrainerConfig
+from .devices import is_dtensor
 from .errors import RunError
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def nonfinite_weights(model: nn.Module) -> list[str]:
     """The parameters and buffers holding a NaN or an infinity, by name (one host sync); of a
     sharded model, in this process's shards."""
     tensors = [
-        (name, tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        (name, tensor.to_local() if is_dtensor(tensor) else tensor)
         for name, tensor in model.state_dict().items()
         if tensor.is_floating_point()
     ]

@@ -1,8 +1,9 @@
 """Validation: the loss and the metrics over a dataset, placed as training places its batches
 (`channels_last`, `non_blocking`). It draws no random numbers, so it cannot perturb a resume.
 
-Metrics are torchmetrics objects (update per batch, compute at the end), so that they reduce
-across processes once training runs on several.
+Metrics have torchmetrics' interface (update per batch, compute at the end, which sums every
+process's share once training runs on several): the ready ones (ready/metrics.py) or torchmetrics'
+own.
 """
 
 from collections.abc import Iterator
@@ -11,13 +12,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
-from torchmetrics import Metric
-from torchmetrics.aggregation import SumMetric
 
 from . import components
 from .errors import RunError, first_line
-from .parts import Evaluable
+from .parts import Evaluable, Metric
 from .precision import autocast
+from .ready.metrics import Sum
 
 
 def build_metrics(cfg: DictConfig, facts: dict[str, Any], device: torch.device) -> dict[str, Metric]:
@@ -31,10 +31,9 @@ def evaluate(run: Evaluable, loader: DataLoader, shared: bool = True, split: str
     for each metric. `shared`: each process holds a share of the samples, and the results combine
     all shares (a collective step); otherwise only the loss, over this process's loader alone."""
     run.model.eval()
-    # Sums, not MeanMetric: with nan_strategy="disable" MeanMetric drops the weights (torchmetrics
-    # 1.9), and its mean would be one of batch means. NaN kept, not dropped with a warning
-    # (torchmetrics' default): a NaN loss must show.
-    total, units = (SumMetric(nan_strategy="disable", sync_on_compute=shared).to(run.device) for _ in range(2))
+    # Two sums, the loss weighted by its units and the units, so that the mean is per unit, not
+    # one of batch means. A NaN stays in them: a NaN loss must show.
+    total, units = (Sum(sync_on_compute=shared).to(run.device) for _ in range(2))
     metrics = run.metrics if shared else {}
     for batch, counted in in_step(loader, run, shared):
         inputs, targets = run.task.split(run.place(batch))

@@ -71,6 +71,11 @@ class Handover:
         return self._answer
 
     @property
+    def answered(self) -> bool:
+        """Whether the sender has answered `open` (or died): `opened()` would not wait."""
+        return self._answered.is_set()
+
+    @property
     def untracked(self) -> bool:
         """The sender has answered, or died, without a run: what is handed over has nowhere to go."""
         return self._answered.is_set() and (self._answer is None or self._answer["run_id"] is None)

@@ -9,12 +9,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
-from torchmetrics import Metric
 
 from .config import AmpConfig, Config, TrainerConfig
 from .data import Data, Position
 from .devices import to_device
 from .distributed import World
+from .goodput import Clock
 from .monitor import Monitor
 from .precision import Scaler
 from .probe import Probe
@@ -31,6 +31,19 @@ class Task(Protocol):
     def split(self, batch: Any) -> tuple[Any, Any]: ...
 
     def loss(self, criterion: nn.Module, outputs: Any, targets: Any) -> tuple[torch.Tensor, int | torch.Tensor]: ...
+
+
+class Metric(Protocol):
+    """What a `metrics` component is to validation: torchmetrics' interface, which the ready ones
+    (ready/metrics.py) have too; a call gives one batch's value without a collective step."""
+
+    def update(self, outputs: Any, targets: Any) -> None: ...
+
+    def compute(self) -> torch.Tensor: ...
+
+    def reset(self) -> None: ...
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor: ...
 
 
 @dataclass
@@ -78,6 +91,7 @@ class Run(Evaluable):
     monitor: Monitor  # optimized_metric's best value, and early stopping
     rng: RandomState
     callbacks: Any  # yours, called at the recipe's points: hooks.Callbacks, whose hooks get this run
+    clock: Clock  # where this leg's time goes: the run's goodput
     step: int = 0  # optimizer steps taken
 
     @classmethod

@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import Config
@@ -75,8 +73,10 @@ class Sharded(Single):
         each block named in `strategy.blocks` as a unit and then the whole, given memory on this
         process's device, and set to the weights `build_model()` makes on rank 0: the same weights
         a single process would start from, whatever the number of processes."""
-        # Imported here: torch.distributed.checkpoint takes 1 s to import, which no other strategy uses.
+        # Imported here: torch.distributed.checkpoint and fsdp take 1.5 s to import, which no other strategy uses.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         cfg, world = self.cfg, self.world
         with torch.device("meta"):

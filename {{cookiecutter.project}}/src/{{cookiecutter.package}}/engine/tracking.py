@@ -105,7 +105,12 @@ class Tracker:
 
     def state_dict(self) -> dict:
         """A checkpoint part: the run to continue after a resume; through a stretch trained
-        untracked (a store that failed, mlflow.enabled=false), the run it continued."""
+        untracked (a store that failed, mlflow.enabled=false), the run it continued. A resumed leg
+        does not wait for the sender to answer (it imports MLflow, seconds that the leg's first save
+        would wait for): until it has, the run is the one the leg continues, as the sender opens it
+        unless the store lost it, and then the next save holds the new one."""
+        if self._sender is not None and self._resumed_run_id is not None and not self._sender.answered:
+            return {"run_id": self._resumed_run_id}
         return {"run_id": self.run_id or self._resumed_run_id}
 
     def load_state_dict(self, state: dict) -> None:

@@ -6,16 +6,13 @@ The order is the point of this file. Each numbered step says why it stands where
 one is how the failures this project exists to prevent come back.
 """
 
-import contextlib
 import logging
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from . import components, continuity, distributed, param_groups, restarts, strategies
+from . import compile_cache, components, continuity, distributed, param_groups, restarts, strategies
 from .checkpoint import initial
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
@@ -27,10 +24,11 @@ from .distributed import World
 from .divergence import Divergence
 from .errors import RunError, reported, shown
 from .evaluation import build_metrics, check_wiring, evaluate
+from .goodput import Clock
 from .hooks import CallbackError, Callbacks
 from .monitor import Monitor
 from .parts import Evaluable, Run
-from .precision import autocast, build_scaler
+from .precision import build_scaler
 from .precision import describe as describe_amp
 from .preemption import Preemption, Stopped
 from .probe import Probe
@@ -38,6 +36,7 @@ from .progress import Progress, Throughput
 from .provenance import datasets, record, run_name
 from .remembered import CommandLine, resumed
 from .seeding import RandomState, seed_everything
+from .step import train_step
 from .sweeps import current_job
 from .tracking import Tracker, check_tracking_uri
 
@@ -111,7 +110,9 @@ def train_in(cfg: Config, world: World) -> dict:
                 if status == "FINISHED" and not preemption.received:
                     log_models(run, checkpoints)
             finally:
+                run.tracker.log_metrics(run.clock.totals(run.step), run.step)
                 run.tracker.finish(status)
+                run.clock.close(run.step)
 
     newest = checkpoints.path_of(run.step)
     if status == "KILLED":
@@ -121,10 +122,19 @@ def train_in(cfg: Config, world: World) -> dict:
             f"stopped at step {run.step} by {preemption.received.name}; {unsaved or f'saved {newest}'}; "
             f"{comeback or 'continue with resume=last'}"
         )
+        said_at_end(run)
         raise Stopped(preemption.received, comeback)
     scores = ", ".join(f"{key} {value:.4f}" for key, value in result.items() if key.startswith("val/"))
     log.info(f"finished at step {run.step}: {scores}; checkpoint {newest}; MLflow run {result['run_id'] or 'off'}")
+    said_at_end(run)
     return result
+
+
+def said_at_end(run: Run) -> None:
+    """What this leg's stop cost the run, and what it compiled."""
+    log.info(run.clock.summary())
+    if run.cfg.trainer.compile:
+        log.info(compile_cache.said())
 
 
 def describe_world(world: World) -> str:
@@ -161,6 +171,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         monitor=Monitor(cfg),
         rng=RandomState(world, cfg.seed),
         callbacks=Callbacks.built(cfg.callbacks, world),
+        clock=Clock(),
     )
 
     # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
@@ -188,9 +199,13 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         parts,
         ready=lambda: continuity.unsaveable(run),
         saved=lambda step, state: run.tracker.log_checkpoint(state["probe"]["loss"], step),
-        landed=lambda path: run.callbacks.call("on_save_checkpoint", run, path),
+        landed=lambda path: landed(run, home, path),
     )
-    found = checkpoints.restore(cfg.resume)
+    with run.clock.during("restore"):
+        found = checkpoints.restore(cfg.resume)
+    if world.is_main:  # rank 0 holds the home, and keeps there the run's account of its time (goodput.py)
+        anchored = found is not None and found.path.parent.resolve() == home.resolve()
+        run.clock.keep(home, continuing=cfg.resume is not None, anchored=anchored)
     if found is not None:
         run.step = found.step
     # 7b. Or, fine-tuning: a fresh run from another run's model weights (init.checkpoint), copied
@@ -210,6 +225,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         parts.update(model=run.model, optimizer=run.optimizer)
 {%- endif %}
     if cfg.trainer.compile:
+        compile_cache.load(home, world.device)  # what earlier legs compiled, from this run's own home only
         run.model.compile()  # in place: state_dict keys stay those of the plain model
 
     # 9. Audit: every parameter, buffer, optimizer state tensor and the scaler on the device
@@ -220,6 +236,15 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
     check_wiring(run)
     checkpoints.check_room()
     return run, checkpoints, found
+
+
+def landed(run: Run, home: Path, path: Path) -> None:
+    """A checkpoint is on disk: the run's account of its time and the graphs compiled so far go
+    beside it (for a restart on another machine); then the callbacks hear of it."""
+    run.clock.saved()
+    if run.cfg.trainer.compile:
+        compile_cache.save(home, run.device, run.world.is_main)
+    run.callbacks.call("on_save_checkpoint", run, path)
 
 
 def build(cfg: Config, world: World, strategy: strategies.Single) -> Evaluable:
@@ -247,7 +272,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
     stops the run before it can save (divergence.py). Returns the last loss and the throughput
     over the run, or nothing when a signal stopped it before its first step."""
-    trainer, save_every, keep_best = run.trainer, run.cfg.checkpoint.every_n_steps, run.cfg.checkpoint.keep_best
+    trainer, keep_best = run.trainer, run.cfg.checkpoint.keep_best
     loader = build_loader(
         run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world, trainer.grad_accum_steps
     )
@@ -256,6 +281,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     meter, loss, first = Throughput(run.task.unit), None, run.step
     stepping = run.callbacks.stepping  # the one check a step pays for callbacks without a per-step hook
     run.callbacks.call("on_fit_start", run)
+    run.clock.training(run.step)
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
@@ -264,6 +290,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 audit_placement(run.device, run.model, run.optimizer, run.scaler)
                 param_groups.check_optimized(run.model, run.optimizer)
             run.step += 1
+            run.clock.stepped(run.step)
             divergence.watch(run.step, loss)
             meter.count(run.world.size * counted)
             progress.step()
@@ -276,14 +303,17 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 norm = {} if grad_norm is None else {"train/grad_norm": grad_norm.item()}
                 run.tracker.log_metrics({"train/loss": value, **lrs, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
+                run.clock.beat(run.step)
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 validate(run, loss.item())
                 run.monitor.observe()
-            if run.step % save_every == 0:
+            if checkpoints.due(run.step):
                 divergence.check(checkpoints.standing)
                 if keep_best:  # each checkpoint is ranked by its own step's metric
                     validate(run, loss.item())
-                checkpoints.try_save(run.step)
+                with run.clock.during("save"):
+                    checkpoints.try_save(run.step)
+    run.clock.ending()
     divergence.check(checkpoints.standing)
     # A run stopped before its first step trains nothing: no training loss or throughput to report.
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
@@ -294,7 +324,8 @@ def validate(run: Run, loss: float | None) -> dict[str, float]:
     optimized_metric may name), kept by the monitor. A step is validated once: the save at the
     last step, an early stop and the end share one validation."""
     if run.monitor.latest is None or run.monitor.latest[0] != run.step:
-        val = evaluate(run, run.val_loader)
+        with run.clock.during("validation"):
+            val = evaluate(run, run.val_loader)
         run.tracker.log_metrics(val, run.step)
         run.monitor.validated(run.step, val if loss is None else {**val, "train/loss": loss})
         run.callbacks.call("on_validation_end", run, run.monitor.latest[1])
@@ -307,7 +338,8 @@ def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdi
     MLflow run id is rank 0's)."""
     val = validate(run, trained.get("train/loss"))  # no loss when stopped before the first step
     run.tracker.log_metrics({key: value for key, value in trained.items() if key.startswith("train/mean_")}, run.step)
-    checkpoints.final(run.step)
+    with run.clock.during("save"):
+        checkpoints.final(run.step)
     if run.monitor.stopped:
         run.tracker.set_tags({"stopped_early": str(run.step)})
         log.info(f"stopped early at step {run.step}: {run.monitor.explain()}")
@@ -348,48 +380,3 @@ def log_models(run: Run, checkpoints: Checkpointer) -> None:
         return
     example = {"values": inputs[:2].tolist(), "dtype": str(inputs.dtype).removeprefix("torch.")}
     run.tracker.log_models(checkpoints.kept(run.cfg.mlflow.log_models), model, example)
-
-
-def train_step(run: Run, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None, int | torch.Tensor]:
-    """One optimizer step over `trainer.grad_accum_steps` batches; returns their mean loss over
-    all processes, the norm of the gradients before clipping, measured for a step that will be
-    logged or clipped (else None, as for a step skipped), and the units (samples, tokens) this
-    process trained on."""
-    total, counted = None, 0
-    for number, batch in enumerate(micro_batches, start=1):
-        inputs, targets = run.task.split(run.place(batch))
-        with run.strategy.holding_gradients(run.wrapped) if number < len(micro_batches) else contextlib.nullcontext():
-            with autocast(run.amp, run.device):
-                loss, count = run.task.loss(run.criterion, run.wrapped(inputs), targets)
-            counted += count
-            if len(micro_batches) > 1:  # the step's loss is their mean; a division by 1 would still cost an op
-                loss = loss / len(micro_batches)
-            run.scaler.scale(loss).backward()  # scale, unscale_ and step pass through when the scaler is off
-        total = loss.detach().float() if total is None else total + loss.detach()  # float32 whatever autocast chose
-    # The mean over the processes, as their gradients are: a loss that is not finite on one of
-    # them is seen by all, and all skip the same steps.
-    total = run.world.mean(total)
-    # Asked for by on_nonfinite=skip_step, at the price of one host sync a step: no update from
-    # a non-finite loss. The schedule still advances, so the lr stays a function of the step.
-    if run.trainer.on_nonfinite == "skip_step" and not torch.isfinite(total):
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
-        return total, None, counted
-    norm = None
-    if (run.step + 1) % run.trainer.log_every_n_steps == 0 or run.trainer.grad_clip is not None:
-        run.scaler.unscale_(run.optimizer)  # the true gradients, not the fp16-scaled ones
-        norm = gradient_norm(run.model, run.trainer.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    return total, norm, counted
-
-
-def gradient_norm(model: nn.Module, clip: float | None) -> torch.Tensor:
-    """The norm of all the model's gradients as one vector, on every process (under fsdp each
-    holds a shard of them); with `clip`, the gradients are scaled down to that norm at most."""
-    norm = nn.utils.get_total_norm([parameter.grad for parameter in model.parameters() if parameter.grad is not None])
-    if clip is not None:
-        nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm

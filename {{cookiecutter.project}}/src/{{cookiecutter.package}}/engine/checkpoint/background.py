@@ -14,9 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..devices import ACCELERATORS
+from ..devices import ACCELERATORS, is_dtensor
 
 
 class Snapshot:
@@ -44,7 +43,9 @@ class Snapshot:
         return value  # numbers, strings, None: immutable
 
     def _copy_tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
-        if isinstance(tensor, DTensor):  # this process's shard, copied, and described as the original
+        if is_dtensor(tensor):  # this process's shard, copied, and described as the original
+            from torch.distributed.tensor import DTensor
+
             local = self._copy_tensor(tensor.to_local(), path)
             placement = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
             return DTensor.from_local(local, tensor.device_mesh, tensor.placements, **placement)

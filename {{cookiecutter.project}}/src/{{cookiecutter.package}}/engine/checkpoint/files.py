@@ -155,6 +155,18 @@ def read_regular(path: Path) -> bytes:
         return file.read()
 
 
+def read_own(path: Path) -> bytes:
+    """The bytes of `path`, a file the package writes, refused (NotRegular) where it is a link,
+    symbolic or hard: it would share another run's file, and the package's writes replace a link
+    rather than write through it. Also refused where it is no regular file, as read_regular does."""
+    found = os.lstat(path)
+    if stat.S_ISLNK(found.st_mode):
+        raise NotRegular(path, "a symbolic link")
+    if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+        raise NotRegular(path, "a hard link")
+    return read_regular(path)
+
+
 def kind(mode: int) -> str:
     """What a file of `mode` (its st_mode) is, in words, where it is not a regular file."""
     if stat.S_ISDIR(mode):

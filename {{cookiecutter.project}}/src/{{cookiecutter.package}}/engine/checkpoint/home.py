@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import re
-import stat
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from .files import (
     NotRegular,
     load_restricted,
     open_regular,
-    read_regular,
+    read_own,
     remove,
     sync_folder,
     write_atomically,
@@ -34,9 +33,11 @@ SCORES = "scores.json"  # the ranking for `best`: each checkpoint's optimized_me
 LOCK = "run.lock"
 NAME = re.compile(r"step_(\d{8,})(\.pt)?")  # as path_of writes them: a user's step_7.pt is not ours
 # The temporary files and folders the package writes (files.temporary), and so the only ones it
-# removes: `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp`,
-# `best.<tag>.tmp`, `scores.json.<tag>.tmp` and the write test's `write-test.<tag>.tmp`.
-TEMPORARY = re.compile(r"(step_\d{8,}(\.pt)?|latest|best|scores\.json|write-test)\.\d+-[0-9a-f]+\.tmp")
+# removes: `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp`, `best.<tag>.tmp`,
+# `scores.json.<tag>.tmp` (goodput.json's, compile-cache.bin's) and the write test's `write-test.<tag>.tmp`.
+TEMPORARY = re.compile(
+    r"(step_\d{8,}(\.pt)?|latest|best|scores\.json|goodput\.json|compile-cache\.bin|write-test)\.\d+-[0-9a-f]+\.tmp"
+)
 
 
 def path_of(home: Path, step: int, folder: bool = False) -> Path:
@@ -167,14 +168,8 @@ def _ledger(home: Path) -> dict | str:
     FIFO, damaged, foreign), and the checkpoints are ranked by the scores they hold. A link, symbolic
     or hard, is not read: it shares another run's ranking (this module writes none; its writes
     replace one)."""
-    path = home / SCORES
     try:
-        found = os.lstat(path)
-        if stat.S_ISLNK(found.st_mode):
-            return "is a symbolic link"
-        if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
-            return "is a hard link"
-        ledger = json.loads(read_regular(path))
+        ledger = json.loads(read_own(home / SCORES))
     except FileNotFoundError:
         return "is missing"
     except NotRegular as refused:

@@ -7,6 +7,7 @@ writer threads; which format a save takes is decided here, by the strategy, and 
 
 import logging
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -78,6 +79,9 @@ class Checkpointer:
         self._in_flight: int | None = None  # the step being written; known to every process, which all
         # collect the write's outcome at the same point
         self._pending = None  # a sharded save in flight (sharded.Pending)
+        self._last_save = time.monotonic()  # when the last save started: checkpoint.every_s counts from it
+        # Read once: `due` is asked at every step, and a DictConfig's value costs microseconds.
+        self._every = (self.settings.every_n_steps, self.settings.every_s, cfg.trainer.log_every_n_steps)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -159,6 +163,18 @@ class Checkpointer:
             except OSError as error:
                 log.warning(f"{saved.path.name} could not be ranked ({error.strerror or error})")
 
+    def due(self, step: int) -> bool:
+        """Whether `step` is a save point: every checkpoint.every_n_steps steps, and, with
+        checkpoint.every_s, the first logging step that long after the last save started, so that what
+        a kill -9 loses is bounded in time whatever a step costs. The processes' clocks differ: they
+        agree at logging steps only, a collective that an ordinary step never pays for."""
+        every_n_steps, every_s, logging = self._every
+        if step % every_n_steps == 0:
+            return True
+        if every_s is None or step % logging:
+            return False
+        return bool(self.world.max(int(time.monotonic() - self._last_save >= every_s)))
+
     def try_save(self, step: int) -> None:
         """Saves (in the background: starts to); a save that fails warns once and leaves training
         going, to try again next time."""
@@ -236,6 +252,7 @@ class Checkpointer:
         return f"the newest checkpoint on disk is {self.newest}" if self.newest else "no checkpoint is on disk"
 
     def _save(self, step: int, background: bool) -> None:
+        self._last_save = time.monotonic()
         self._refuse_unless_ready(step)
         state = self._capture(step)  # on every process: the random state is gathered from all
         background = background and self._background

@@ -49,7 +49,7 @@ class NextToken(Supervised):
     The loss is the criterion over every position (cross-entropy expects the vocabulary as its
     second dimension, so positions are laid out as rows), the mean per token; positions whose
     target is the criterion's `ignore_index` (padding) count for nothing. Metrics see the outputs
-    and targets as the model gave them (torchmetrics' Perplexity takes exactly those)."""
+    and targets as the model gave them (the ready Perplexity, like torchmetrics', takes exactly those)."""
 
     unit = "tokens"
 
