@@ -9,11 +9,13 @@ all_reduce, a collective step) where torch.distributed is initialized, so that t
 every process's share of the validation set.
 """
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.distributed as dist
 
 
-class Summed:
+class Summed(ABC):
     """A metric of running sums: `update` adds a batch's (`counted`), `compute()` gives the value
     of all of them (`value`); a call gives one batch's value alone, without the collective step,
     and adds it to the sums as well (torchmetrics' forward)."""
@@ -22,11 +24,13 @@ class Summed:
         self.sums = torch.zeros(shape, dtype=dtype)
         self.sync_on_compute = sync_on_compute
 
+    @abstractmethod
     def counted(self, *batch: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """What one batch adds to the sums."""
 
+    @abstractmethod
     def value(self, sums: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The metric, from sums."""
 
     def update(self, *batch: torch.Tensor) -> None:
         self.sums += self.counted(*batch)
