@@ -5,14 +5,17 @@ import gc
 
 import hydra
 
-from {{cookiecutter.package}}.engine import tracking
+from {{cookiecutter.package}}.engine import standby, tracking
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: Config):
     # Imported here, not above: torch and the rest take seconds, which the MLflow sender (started
-    # below, before them) spends importing MLflow in its own process.
+    # below, before them) spends importing MLflow in its own process. A standby leg imports them
+    # at the lowest priority, leaving the cores to the leg that trains now.
+    if cfg.standby:
+        standby.warm_up()
     from {{cookiecutter.package}}.engine.train import main as train
 
     return train(cfg)  # in a sweep, the job's value (its final val/loss) goes to the sweeper

@@ -141,6 +141,7 @@ class Config:
     name: str = MISSING  # names the checkpoint home and the MLflow run
     seed: int = MISSING
     resume: str | None = None  # null | last | auto | <path to a checkpoint file or folder>
+    standby: bool = False  # start warm now, continue the run when the leg that trains it ends (standby.py)
     optimized_metric: str = MISSING  # a sweep job's value; ranks checkpoints; early stopping watches it (monitor.py)
     optimized_mode: str = MISSING  # min | max: whether a lower or a higher optimized_metric is better
 

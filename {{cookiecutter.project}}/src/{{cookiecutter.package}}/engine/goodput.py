@@ -43,11 +43,11 @@ WRITE_EVERY_S = 1.0
 MOST_LEGS = 100_000  # far more than any run restarts; a bound on what a damaged file can make this read
 
 
-def process_start() -> float:
-    """When this process started, in `time.time()` seconds: from Linux's /proc (to 10 ms); where
-    there is none, now, and the imports before it are not counted."""
+def process_start(pid: int | str = "self") -> float:
+    """When this process (or `pid`) started, in `time.time()` seconds: from Linux's /proc (to 10 ms);
+    where there is none, now, and the imports before it are not counted."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])  # starttime
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])  # starttime
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
@@ -64,9 +64,11 @@ class Clock:
     """This leg's stopwatch and the run's account. `during(bucket)` times a stretch of the recipe;
     between them, the time goes to the stretch the recipe is in (start-up, then training, then the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, began: float | None = None) -> None:
+        """`began`: when this leg's time starts counting (a standby's takeover: standby.py), if not at
+        the process's start."""
         self.seconds = dict.fromkeys(BUCKETS, 0.0)
-        self.started = process_start()
+        self.started = process_start() if began is None else began
         self._lap = time.perf_counter() - (time.time() - self.started)  # the process's start, on this clock
         self._compiled = 0.0
         self._in = "startup"

@@ -34,8 +34,8 @@ class Handover:
     and everything handed over after go to the run's spill file instead, for `replay`.
     """
 
-    def __init__(self) -> None:
-        command = [sys.executable, "-m", f"{__package__}.tracking", "drain"]
+    def __init__(self, idle: bool = False) -> None:
+        command = [sys.executable, "-m", f"{__package__}.tracking", "drain", *["--idle"] * idle]
         self._child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
         )
@@ -61,6 +61,12 @@ class Handover:
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="mlflow-hand-over", daemon=True)
         self._writer.start()
+
+    def discard(self) -> None:
+        """Ends a sender that was handed nothing yet, at once."""
+        self._batches.put(None)  # the writer ends here, never to hear that the sender was killed
+        self._child.kill()
+        self._child.wait()
 
     def opened(self) -> dict:
         """The sender's answer to `open`: the run's id (None: untracked) and its resumes so far."""

@@ -21,6 +21,7 @@ where it is tracked are never the checkpoint's (OURS).
 """
 
 import copy
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -40,13 +41,15 @@ from .errors import RunError, first_line, shown
 COMPONENTS = tuple(RUNTIME)
 # Which run, and where and how this command runs it, which this command line says whatever the
 # checkpoint holds: its name (a checkpoint of another run is refused, compatibility.check_same_run),
-# what it resumes, its home (where `resume=last` found the checkpoint), whether the storage is
-# trusted (checkpoint.verify), where it is tracked (a project copied elsewhere logs to its own
-# store, and a checkpoint sends no run to a store of its choosing), and the device and strategy
-# (the launch: a ddp or fsdp run resumes in one process with plain `python run.py`, on any device).
+# what it resumes and whether it stands by for it (standby.py), its home (where `resume=last` found
+# the checkpoint), whether the storage is trusted (checkpoint.verify), where it is tracked (a
+# project copied elsewhere logs to its own store, and a checkpoint sends no run to a store of its
+# choosing), and the device and strategy (the launch: a ddp or fsdp run resumes in one process with
+# plain `python run.py`, on any device).
 OURS = {
     ("name",),
     ("resume",),
+    ("standby",),
     ("checkpoint", "dir"),
     ("checkpoint", "verify"),
     ("mlflow",),
@@ -60,7 +63,8 @@ DEPTH = 32  # levels of nesting a stored config may have; the project's have few
 @dataclass(frozen=True)
 class CommandLine:
     """What a command line said: its overrides, the config they were applied to (the project's
-    defaults, composed when asked for: a fresh start never needs them), and the project's `configs/`."""
+    defaults, composed once, when first asked for: a fresh start never needs them), and the
+    project's `configs/`."""
 
     overrides: tuple[str, ...]
     defaults: Callable[[], DictConfig]
@@ -73,7 +77,8 @@ class CommandLine:
             return None
         hydra = HydraConfig.get()
         name = hydra.job.config_name
-        return cls(tuple(hydra.overrides.task), lambda: compose(config_name=name, overrides=[]), configs_folder())
+        defaults = functools.cache(lambda: compose(config_name=name, overrides=[]))
+        return cls(tuple(hydra.overrides.task), defaults, configs_folder())
 
     def paths(self) -> set[tuple[str, ...]]:
         """The keys typed, `model` (a group) or `optimizer.lr`, `+key` and `~key` alike."""

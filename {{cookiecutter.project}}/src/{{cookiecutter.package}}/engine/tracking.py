@@ -23,6 +23,7 @@ through, where they wait, on disk, for `replay`, which deletes them once sent.
 """
 
 import argparse
+import functools
 import gc
 import importlib.util
 import logging
@@ -37,6 +38,7 @@ from urllib.parse import urlparse
 
 from omegaconf import OmegaConf
 
+from . import priority
 from .config import MlflowConfig, launched_as_main
 from .errors import RunError, first_line
 from .handover import Handover
@@ -64,13 +66,16 @@ def check_tracking_uri(cfg: MlflowConfig) -> None:
 _started: "Handover | None" = None  # the sender `start_sender` started, until a run takes it
 
 
-def start_sender() -> None:
+def start_sender(idle: bool = False) -> None:
     """Starts the sender process ahead of the run (run.py, first thing): its imports, 2 s of
     MLflow, then run beside this process's. Only where a run can track: one process, or rank 0.
-    Unused (`mlflow.enabled=false`), it ends with this process."""
+    Unused (`mlflow.enabled=false`), it ends with this process. `idle`: its imports at the lowest
+    priority (priority.py), in place of one started before (a standby leg's: standby.py)."""
     global _started
     if launched_as_main():
-        _started = Handover()
+        if _started is not None:
+            _started.discard()
+        _started = Handover(idle)
 
 
 def _take_sender() -> "Handover":
@@ -305,14 +310,16 @@ class Tracker:
 def main() -> None:
     parser = argparse.ArgumentParser(description="MLflow delivery for training runs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("drain", help="internal: the sender process a training run starts")
+    draining = commands.add_parser("drain", help="internal: the sender process a training run starts")
+    draining.add_argument("--idle", action="store_true", help="import MLflow at the lowest CPU priority")
     resend = commands.add_parser("replay", help="send metrics and files that a run could not deliver, and end the run")
     resend.add_argument("file", type=Path, help="an unsent-metrics-<run id>.jsonl file from the checkpoint folder")
     resend.add_argument("--tracking-uri", required=True, help="the store the run logs to, e.g. http://127.0.0.1:5000")
     arguments = parser.parse_args()
-    from .sender import drain, replay
-
     if arguments.command == "drain":
+        # A standby leg's sender imports at the lowest priority: the leg that trains keeps the cores.
+        importing = functools.partial(importlib.import_module, f"{__package__}.sender")
+        drain = (priority.lowest(importing) if arguments.idle else importing()).drain
         # SLURM signals every process of a job, this one too: it ends when the trainer closes its
         # pipe, every metric delivered or kept (a SIGKILL is the backstop).
         for number in SIGNALS:
@@ -320,6 +327,8 @@ def main() -> None:
         drain()
         gc.freeze()  # the trainer waits for this exit: spare it shutdown's collections (run.py says more)
         return
+    from .sender import replay
+
     try:
         sent, files, ends = replay(arguments.file, arguments.tracking_uri)
     except Exception as error:  # the store is still down, or is not the run's store

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from . import compile_cache, components, continuity, distributed, param_groups, restarts, strategies
+from . import compile_cache, components, continuity, distributed, param_groups, restarts, standby, strategies
 from .checkpoint import initial
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
@@ -58,30 +58,33 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
     metrics, the continuity verdict and the MLflow run id. A resume runs with its checkpoint's
     settings and what the command line `said` changed (remembered.py); without `said`, with `cfg`."""
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
-    # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
-    cfg = resumed(cfg, said)
-    check_values(cfg)
-    cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
-    # 1. This process's place among the job's and its device, first: a missing accelerator or a
-    #    launch that does not match `strategy` fails here, before anything is built.
-    with distributed.join(cfg) as world:
-        seed_everything(cfg.seed + world.rank)  # rank 0 draws as a single process would
-        set_cpu_threads(cfg.device)
-        log.info(f"device: {describe(world.device)}; amp: {describe_amp(cfg.amp)}; {describe_world(world)}")
-        if cfg.mlflow.enabled:
-            world.on_main(lambda: check_tracking_uri(cfg.mlflow))
-        return train_in(cfg, world)
+    # A standby leg, started warm beside the leg that trains, waits here for that leg to end.
+    with standby.taking_over(cfg, said) as took_over:
+        # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
+        cfg = resumed(cfg, said)
+        check_values(cfg)
+        cfg.mlflow.run_name = cfg.mlflow.run_name or run_name(cfg)  # not MLflow's random `overjoyed-slug-911`
+        # 1. This process's place among the job's and its device, first: a missing accelerator or a
+        #    launch that does not match `strategy` fails here, before anything is built.
+        with distributed.join(cfg) as world:
+            seed_everything(cfg.seed + world.rank)  # rank 0 draws as a single process would
+            set_cpu_threads(cfg.device)
+            log.info(f"device: {describe(world.device)}; amp: {describe_amp(cfg.amp)}; {describe_world(world)}")
+            if cfg.mlflow.enabled:
+                world.on_main(lambda: check_tracking_uri(cfg.mlflow))
+            return train_in(cfg, world, took_over)
 
 
-def train_in(cfg: Config, world: World) -> dict:
-    """Steps 2 to 11, in this process's place among the job's."""
+def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
+    """Steps 2 to 11, in this process's place among the job's; this leg's time counts from `began`
+    (a standby's takeover), or from the process's start."""
     # 2. The checkpoint home, held by rank 0 until the run ends: a second run with the same name,
     #    a fresh run over saved checkpoints, or a folder that cannot take checkpoints, stops here,
     #    not at a save hours later. A run refused before it saves leaves the folder as it found it.
     home = Path(cfg.checkpoint.dir)
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
-        run, checkpoints, found = setup(cfg, world, home)
+        run, checkpoints, found = setup(cfg, world, home, began)
         if found and (run.step >= cfg.trainer.max_steps or run.monitor.stopped):  # a resume with nothing left to train
             return nothing_to_train(run, checkpoints)
 
@@ -141,7 +144,9 @@ def describe_world(world: World) -> str:
     return f"{world.size} processes ({world.backend}), this is rank {world.rank}" if world.backend else "one process"
 
 
-def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Checkpoint | None]:
+def setup(
+    cfg: Config, world: World, home: Path, began: float | None = None
+) -> tuple[Run, Checkpointer, Checkpoint | None]:
     """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
     the checkpoint `resume=` names (returned), and audited."""
     strategy = strategies.choose(cfg, world)
@@ -171,7 +176,7 @@ def setup(cfg: Config, world: World, home: Path) -> tuple[Run, Checkpointer, Che
         monitor=Monitor(cfg),
         rng=RandomState(world, cfg.seed),
         callbacks=Callbacks.built(cfg.callbacks, world),
-        clock=Clock(),
+        clock=Clock(began),
     )
 
     # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device

@@ -109,10 +109,38 @@ def _lock(home: Path) -> tuple[BinaryIO, bool]:
                 f"{home} is in use by {holder}; wait for that run to end (or stop it), "
                 f"or train separately with name=<another name>"
             ) from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(lock.fileno()), os.stat(home / LOCK, follow_symlinks=False)):
-                return lock, True
+        if _is_the_homes(lock, home):
+            return lock, True
         lock.close()
+
+
+def _is_the_homes(lock: BinaryIO, home: Path) -> bool:
+    """Whether `lock` is still the home's lock file, not one that a run refused at its start removed."""
+    with contextlib.suppress(FileNotFoundError):
+        return os.path.samestat(os.fstat(lock.fileno()), os.stat(home / LOCK, follow_symlinks=False))
+    return False
+
+
+@contextlib.contextmanager
+def after_holder(home: Path) -> Iterator[bool]:
+    """Waits, however long, until the run that holds `home` ends, however it ends (the OS frees its
+    lock with its process, kill -9 too), then holds the home's lock until the block ends, and yields
+    whether it had to wait. `claim`, in this process, takes the lock over (a POSIX lock is the
+    process's), so that no other run starts in between."""
+    waited = False
+    while fcntl is not None and os.path.lexists(home / LOCK):  # a home no run has held: nothing to wait for
+        with _open_lock(home) as lock:
+            try:
+                fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: `claim` says so
+                    break
+                waited = True
+                fcntl.lockf(lock, fcntl.LOCK_EX)  # a signal's handler may end the wait by raising
+            if _is_the_homes(lock, home):
+                yield waited
+                return
+    yield waited
 
 
 def _taken(home: Path, fresh: str) -> str:

@@ -15,7 +15,7 @@ from .schema import Checkpoint
 log = logging.getLogger(__name__)
 
 # Not settings of the run: what names it, and the experiment it stays in whatever the config now says.
-UNREPORTED = ("resume", "mlflow.run_name", "mlflow.experiment_name")
+UNREPORTED = ("resume", "standby", "mlflow.run_name", "mlflow.experiment_name")
 
 
 def check_fits(saved: Checkpoint, cfg: DictConfig, model: nn.Module) -> None:
