@@ -1,11 +1,10 @@
 """A standby leg (`standby=true`): started while another leg trains the run, it pays a start's
 price then (PyTorch's imports: 2 s of the 2.2 s a restart costs on two CPU cores), waits for that
 leg to end, however it ends (a signal, kill -9, a crash, the run's end), and continues the run from
-its newest checkpoint a fraction of a second later. It takes the run's home when no leg holds it,
-so two legs started alike train one after the other:
+its newest checkpoint a fraction of a second later; where no leg holds the home, it goes on at once:
 
-    python run.py resume=auto standby=true &    # one of the two trains ...
-    python run.py resume=auto standby=true      # ... the other waits, warmed up, and takes over
+    python run.py resume=auto &                 # trains; once it holds checkpoints/<name>/ ...
+    python run.py resume=auto standby=true      # ... this waits, warmed up, and takes over
 
 It waits on the home's lock (checkpoint/claim.py), which the OS frees with its holder's process,
 and reads nothing of the home before it holds it: the settings, the checkpoint and the account of
