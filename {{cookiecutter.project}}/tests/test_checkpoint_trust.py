@@ -196,12 +196,12 @@ def test_a_class_the_package_defines_passes_and_one_a_module_of_it_imports_does_
     nothing = tmp_path / "configs"  # names no target: only the package can
     nothing.mkdir()
     for target in ("mine.Model", "mine.build", "mine.Model.loss"):
-        targets.check({"model": {"_target_": f"{{cookiecutter.package}}.{target}"}}, {}, nothing, tmp_path / "sent.pt")
-    targets.check({"model": {"_target_": "{{cookiecutter.package}}.models.MLP"}}, {}, PROJECT / "configs", tmp_path / "sent.pt")  # fmt: skip
+        targets.check({"model": {"_target_": f"{{cookiecutter.package}}.{target}"}}, {}, (nothing,), tmp_path / "sent.pt")
+    targets.check({"model": {"_target_": "{{cookiecutter.package}}.models.MLP"}}, {}, (PROJECT / "configs",), tmp_path / "sent.pt")  # fmt: skip
     for target in ("mine.nn.Linear", "mine.gzip.open", "engine.ready.models.MLP", "engine.checkpoint.files.remove", "models", "models.Nothing"):  # fmt: skip
         named = f"{{cookiecutter.package}}.{target}"
         with pytest.raises(RunError) as refused:
-            targets.check({"model": {"_target_": named}}, {}, nothing, tmp_path / "sent.pt")
+            targets.check({"model": {"_target_": named}}, {}, (nothing,), tmp_path / "sent.pt")
         assert str(refused.value) == refusal(tmp_path / "sent.pt", "model._target_", named)
 
 

@@ -131,7 +131,7 @@ def test_a_run_whose_data_folder_moved_exports_with_the_new_place_typed_and_othe
         """The config `python export.py <overrides>` composes, and what it says was typed."""
         said = (*common, *overrides)
         with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-            return compose("config", overrides=list(said)), CommandLine(said, lambda: defaults, PROJECT / "configs")
+            return compose("config", overrides=list(said)), CommandLine(said, lambda: defaults, (PROJECT / "configs",))
 
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
         defaults = compose("config")

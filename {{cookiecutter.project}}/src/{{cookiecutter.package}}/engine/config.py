@@ -165,6 +165,11 @@ def configs_folder() -> Path:
     raise RuntimeError("the primary config folder is not a file path")
 
 
+def config_roots() -> tuple[Path, ...]:
+    """The folders this command's config is composed from, the first one's files winning."""
+    return (configs_folder(),)
+
+
 def launch_time(pattern: str) -> str:
     """`${launch_time:%H-%M-%S}`: like Hydra's `${now:}`, but the same in every process of a
     torchrun job, so that all ranks agree on one output folder."""

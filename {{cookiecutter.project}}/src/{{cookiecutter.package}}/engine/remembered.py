@@ -35,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import targets
 from .checkpoint.resume import config_at, config_of
 from .components import RUNTIME
-from .config import Config, check_resolved, configs_folder
+from .config import Config, check_resolved, config_roots
 from .errors import RunError, first_line, shown
 
 COMPONENTS = tuple(RUNTIME)
@@ -64,11 +64,11 @@ DEPTH = 32  # levels of nesting a stored config may have; the project's have few
 class CommandLine:
     """What a command line said: its overrides, the config they were applied to (the project's
     defaults, composed once, when first asked for: a fresh start never needs them), and the
-    project's `configs/`."""
+    folders it was composed from (config_roots)."""
 
     overrides: tuple[str, ...]
     defaults: Callable[[], DictConfig]
-    configs: Path
+    roots: tuple[Path, ...]
 
     @classmethod
     def typed(cls) -> "CommandLine | None":
@@ -78,7 +78,7 @@ class CommandLine:
         hydra = HydraConfig.get()
         name = hydra.job.config_name
         defaults = functools.cache(lambda: compose(config_name=name, overrides=[]))
-        return cls(tuple(hydra.overrides.task), defaults, configs_folder())
+        return cls(tuple(hydra.overrides.task), defaults, config_roots())
 
     def paths(self) -> set[tuple[str, ...]]:
         """The keys typed, `model` (a group) or `optimizer.lr`, `+key` and `~key` alike."""
@@ -125,7 +125,7 @@ def merged(cfg: Config, source: Path, saved: dict, said: CommandLine, keys: Iter
                 result[key] = value
             else:  # a setting, or a group of them: the project's keys, each with its value
                 result.merge_with({key: value})
-    targets.check(OmegaConf.to_container(result, resolve=False), now, said.configs, source)
+    targets.check(OmegaConf.to_container(result, resolve=False), now, said.roots, source)
     return result
 
 

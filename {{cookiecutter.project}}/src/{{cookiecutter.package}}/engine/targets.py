@@ -9,7 +9,7 @@ Anything else is refused before anything is imported or built.
 """
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from importlib import import_module
 from pathlib import Path
 
@@ -21,7 +21,7 @@ ENGINE = __name__.rpartition(".")[0]
 PACKAGE = ENGINE.partition(".")[0]
 
 
-def check(config: dict, own: dict, configs: Path, source: Path) -> None:
+def check(config: dict, own: dict, roots: Sequence[Path], source: Path) -> None:
     """Refuses, in one line, the first `_target_` of `config` (what a command builds from, with the
     values of the checkpoint `source`) that neither `own` (this command's config), the project's
     `configs/` folder, nor its package names."""
@@ -31,7 +31,7 @@ def check(config: dict, own: dict, configs: Path, source: Path) -> None:
         if target in allowed:
             continue
         if in_configs is None:
-            in_configs = targets_in(configs)
+            in_configs = set().union(*(targets_in(root) for root in roots))
         if target in in_configs or defined_here(target):
             allowed.add(target)
             continue
