@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine import distributed, train
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.engine.data import EpochSampler
+from {{cookiecutter.package}}.engine.data import EpochSampler, Position
 from {{cookiecutter.package}}.engine.errors import RunError
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
@@ -37,7 +37,7 @@ def shards(size: int, batch_size: int, world_size: int, start: int = 0) -> list[
     per_rank = []
     for rank in range(world_size):
         sampler = EpochSampler(size, seed=0, batch_size=batch_size, rank=rank, world_size=world_size)
-        sampler.set_position(0, start)
+        sampler.set_position(Position(0, start))
         drawn = list(sampler)
         assert len(drawn) == len(sampler)
         per_rank.append([drawn[i : i + batch_size] for i in range(0, len(drawn), batch_size)])

@@ -57,7 +57,8 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
     assert stopped.value.code == 128 + signal.SIGTERM
     path, saved = newest_valid(checkpoint_dir)
     batches = STOP_AT * saved["config"]["trainer"]["grad_accum_steps"]
-    assert (saved["step"], saved["position"]) == (STOP_AT, {"epoch": batches // 22, "sample": 64 * (batches % 22)})
+    position = {"epoch": batches // 22, "sample": 64 * (batches % 22), "order": "feistel"}
+    assert (saved["step"], saved["position"]) == (STOP_AT, position)
     monkeypatch.undo()
 
     resumed = recipe.train(make_cfg(*common, "resume=last"))

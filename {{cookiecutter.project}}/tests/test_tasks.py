@@ -42,7 +42,7 @@ def test_the_language_model_resumed_after_sigterm_mid_epoch_matches_the_unbroken
         recipe.train(make_cfg(*LM))
     assert stopped.value.code == 128 + signal.SIGTERM
     saved = newest_valid(checkpoint_dir)[1]
-    assert (saved["step"], saved["position"]) == (20, {"epoch": 1, "sample": 3 * 32})
+    assert (saved["step"], saved["position"]) == (20, {"epoch": 1, "sample": 3 * 32, "order": "feistel"})
     monkeypatch.undo()
 
     resumed = recipe.train(make_cfg(*LM, "resume=last"))

@@ -45,7 +45,7 @@ def test_two_accumulated_half_batches_make_the_same_step_as_one_full_batch(make_
     for key in full:
         torch.testing.assert_close(halves[key], full[key], rtol=1e-5, atol=1e-6)
     position = newest_valid(checkpoint_dir)[1]["position"]
-    assert position == {"epoch": 0, "sample": 320}, "five steps of two batches of 32 each"
+    assert position == {"epoch": 0, "sample": 320, "order": "feistel"}, "five steps of two batches of 32 each"
 
 
 def test_accumulated_batches_make_the_large_batchs_steps_across_an_epoch_boundary(make_cfg, client, tmp_path):
@@ -166,7 +166,7 @@ def test_a_tensor_dataset_gives_each_batch_in_one_lookup_in_the_samplers_order(m
     sampler = EpochSampler(20, seed=0, batch_size=8)
     expected = []
     for epoch in (0, 1):
-        sampler.set_position(epoch, 0)
+        sampler.set_position(Position(epoch, 0))
         order = list(sampler)
         expected += [order[:8], order[8:]]
     for (inputs, targets), indices in zip(drawn, expected, strict=True):

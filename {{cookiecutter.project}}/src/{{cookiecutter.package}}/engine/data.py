@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
@@ -26,6 +27,7 @@ from .checkpoint.files import NotRegular, read_regular
 from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
+from .order import LISTED, ORDERS, SHUFFLED, epoch_order
 from .preemption import SIGNALS
 
 
@@ -64,25 +66,33 @@ def build_data(cfg: DictConfig) -> Data:
 @dataclass
 class Position:
     """Where the data stream stands: `sample` samples of epoch `epoch` have been trained on, over
-    all processes, so that a resume with another number of processes continues the same order.
-    A checkpoint part (state_dict, load_state_dict)."""
+    all processes, so that a resume with another number of processes continues the same order,
+    and the `order` the epochs are drawn in (order.py). A checkpoint part (state_dict, load_state_dict)."""
 
     epoch: int = 0
     sample: int = 0
+    order: str = SHUFFLED
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if set(state) != {"epoch", "sample"} or any(type(value) is not int or value < 0 for value in state.values()):
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        counts = {key: value for key, value in state.items() if key != "order"}
+        if set(counts) != {"epoch", "sample"} or any(type(value) is not int or value < 0 for value in counts.values()):
             raise ValueError(f"a data position is two counts, epoch and sample; found {state}")
-        self.epoch, self.sample = state["epoch"], state["sample"]
+        # A checkpoint written before the orders were named was drawn in the one there was then.
+        drawn = state.get("order", LISTED)
+        if drawn not in ORDERS:
+            raise ValueError(f"a data position's order is one of {', '.join(ORDERS)}; found {drawn!r}")
+        self.epoch, self.sample, self.order = state["epoch"], state["sample"], drawn
 
 
 class EpochSampler(Sampler[int | torch.Tensor]):
     """Shuffles each epoch with a permutation drawn from (seed, epoch) alone, so any position of
     any epoch can be replayed without saving generator state; `start` skips the samples that the
-    run has already trained on. Sampling happens in the main process, so this holds with workers.
+    run has already trained on. Each step's samples are computed as it comes (order.py), so neither
+    the dataset's size nor the position costs memory or time. Sampling happens in the main process,
+    so this holds with workers.
 
     With several processes, each global batch (`batch_size` samples per process) is cut from the
     one permutation, rank 0 taking its first `batch_size`, rank 1 the next, and so on: together
@@ -106,19 +116,21 @@ class EpochSampler(Sampler[int | torch.Tensor]):
     ) -> None:
         self.size, self.seed, self.batch_size, self.rank, self.world_size = size, seed, batch_size, rank, world_size
         self.whole_batches, self.accumulated = whole_batches, accumulated
-        self.epoch, self.start = 0, 0
+        self.epoch, self.start, self.order = 0, 0, SHUFFLED
 
-    def set_position(self, epoch: int, start: int) -> None:
-        self.epoch, self.start = epoch, start
+    def set_position(self, position: Position) -> None:
+        self.epoch, self.start, self.order = position.epoch, position.sample, position.order
 
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-        rest = torch.randperm(self.size, generator=generator)[self.start :]
-        steps = len(rest) // self.step_size  # whole steps only
-        # No -1 in the shape: a position at the end of an epoch leaves zero steps, and (0, w, a, -1) is ambiguous.
-        shape = (steps, self.world_size, self.accumulated, self.batch_size)
-        mine = rest[: steps * self.step_size].view(shape)[:, self.rank].reshape(-1, self.batch_size)
-        return iter(mine) if self.whole_batches else iter(mine.reshape(-1).tolist())
+    def __iter__(self) -> Iterator[int | torch.Tensor]:
+        drawn = epoch_order(self.order, self.size, epoch_seed(self.seed, self.epoch))
+        share = self.accumulated * self.batch_size  # this rank's samples of each step
+        for step in range(max(self.size - self.start, 0) // self.step_size):  # whole steps only
+            first = self.start + step * self.step_size + self.rank * share
+            mine = torch.from_numpy(drawn(np.arange(first, first + share))).view(self.accumulated, self.batch_size)
+            if self.whole_batches:
+                yield from mine
+            else:
+                yield from mine.view(-1).tolist()
 
     def __len__(self) -> int:
         batches = max(self.size - self.start, 0) // self.step_size * self.accumulated
@@ -223,7 +235,7 @@ def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tenso
     sampler = loader.sampler
     assert isinstance(sampler, EpochSampler)
     while True:
-        sampler.set_position(position.epoch, position.sample)
+        sampler.set_position(position)
         # Apart for each rank: workers that augment must not draw the same for different samples.
         loader.generator.manual_seed(epoch_seed(sampler.seed, position.epoch) + 7919 * sampler.rank)
         for batch in loader:
