@@ -45,10 +45,10 @@ MAPPINGS = ("metrics", "callbacks")
 # The groups given the data's facts (data.Data), which are known only once the data is built: a
 # parameter without default that no setting gives may be one of them, checked at build time.
 GIVEN_FACTS = ("task", "model", "loss", "metrics")
-# Keys the runner reads itself, not the `_target_`: the DataLoader's (batch_size is required), and
-# the optimizer's parameter groups (param_groups.py).
+# Keys the runner reads itself, not the `_target_`: the DataLoader's (batch_size is required), the
+# lanes a stream is read in (streams.py), and the optimizer's parameter groups (param_groups.py).
 RESERVED = {
-    "data": {"batch_size": int, "num_workers": int},
+    "data": {"batch_size": int, "num_workers": int, "lanes": int | None},
     "optimizer": {"lr_multipliers": dict[str, float] | None},
 }
 METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")

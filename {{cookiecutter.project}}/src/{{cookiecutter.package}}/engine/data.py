@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,15 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset
 
 from . import components
 from .checkpoint.files import NotRegular, read_regular
 from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
-from .order import LISTED, ORDERS, SHUFFLED, epoch_order
+from .order import LISTED, SHUFFLED, epoch_order
 from .preemption import SIGNALS
+from .streams import LANES, STREAM, StreamLoader
 
 
 class Data:
@@ -60,31 +61,49 @@ def build_data(cfg: DictConfig) -> Data:
     data = components.build("data", cfg)
     if not isinstance(data, Data):
         raise RunError(f"data ({cfg._target_}) returned a {type(data).__name__}; it must return data.Data")
+    for split in ("val", "test"):
+        if isinstance(getattr(data, split), IterableDataset):
+            raise RunError(
+                f"data ({cfg._target_}) gave a stream as its {split} split; validation reads every sample of a "
+                f"dataset with a length (and the continuity probe picks some): give it one, a stream only for train"
+            )
     return data
 
 
 @dataclass
 class Position:
-    """Where the data stream stands: `sample` samples of epoch `epoch` have been trained on, over
-    all processes, so that a resume with another number of processes continues the same order,
-    and the `order` the epochs are drawn in (order.py). A checkpoint part (state_dict, load_state_dict)."""
+    """Where the data stands: `sample` samples of epoch `epoch` have been trained on, over all
+    processes, so that a resume with another number of processes continues the same order; the
+    `order` the samples are drawn in (order.py, streams.py), and for a stream the `layout` it is
+    read in (its lanes; or the processes and workers that read one without lanes). A checkpoint
+    part (state_dict, load_state_dict): a few integers and a name."""
 
     epoch: int = 0
     sample: int = 0
     order: str = SHUFFLED
+    layout: dict[str, int] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, int | str]:
-        return asdict(self)
+        return {"epoch": self.epoch, "sample": self.sample, "order": self.order, **self.layout}
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
-        counts = {key: value for key, value in state.items() if key != "order"}
-        if set(counts) != {"epoch", "sample"} or any(type(value) is not int or value < 0 for value in counts.values()):
-            raise ValueError(f"a data position is two counts, epoch and sample; found {state}")
         # A checkpoint written before the orders were named was drawn in the one there was then.
         drawn = state.get("order", LISTED)
-        if drawn not in ORDERS:
-            raise ValueError(f"a data position's order is one of {', '.join(ORDERS)}; found {drawn!r}")
+        if drawn not in LAYOUTS:
+            raise ValueError(f"a data position's order is one of {', '.join(LAYOUTS)}; found {drawn!r}")
+        counts = {key: value for key, value in state.items() if key != "order"}
+        if set(counts) != {"epoch", "sample", *LAYOUTS[drawn]} or any(
+            type(value) is not int or value < 0 for value in counts.values()
+        ):
+            raise ValueError(
+                f"a data position is {', '.join(['epoch', 'sample', *LAYOUTS[drawn]])}, counts; found {state}"
+            )
         self.epoch, self.sample, self.order = state["epoch"], state["sample"], drawn
+        self.layout = {key: counts[key] for key in LAYOUTS[drawn]}
+
+
+# What each order's position holds beyond the epoch and the sample.
+LAYOUTS = {SHUFFLED: (), LISTED: (), LANES: ("lanes",), STREAM: ("processes", "workers")}
 
 
 class EpochSampler(Sampler[int | torch.Tensor]):
@@ -151,11 +170,27 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
+def rank_seed(seed: int, rank: int, epoch: int) -> int:
+    """The seed of a rank's loader workers in `epoch`: apart for each rank, since workers that
+    augment must not draw the same for different samples."""
+    return epoch_seed(seed, epoch) + 7919 * rank
+
+
 def build_loader(
     dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int, world: World, accumulated: int = 1
-) -> DataLoader:
+) -> DataLoader | StreamLoader:
     """This process's training loader: `data.batch_size` samples a batch, `accumulated` batches a
-    step (trainer.grad_accum_steps), its share of each step in the order of `EpochSampler`."""
+    step (trainer.grad_accum_steps), its share of each step in the order of `EpochSampler`, or of a
+    stream (streams.py)."""
+    if isinstance(dataset, IterableDataset):
+        settings = {
+            "num_workers": cfg.get("num_workers", 0),
+            "worker_init_fn": ending_with_this_process(),
+            "pin_memory": device.pin_memory,
+            "generator": torch.Generator(),  # reseeded each epoch, as below
+        }
+        seeds = partial(rank_seed, seed, world.rank)
+        return StreamLoader(dataset, cfg.batch_size, accumulated, world, cfg.get("lanes"), settings, seeds)
     if len(dataset) < cfg.batch_size * accumulated * world.size:
         times = f" x {accumulated} accumulated" if accumulated > 1 else ""
         processes = f" x {world.size} processes" if world.size > 1 else ""
@@ -230,14 +265,16 @@ def end_with_the_run(parent: int | None, worker_id: int) -> None:
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def batches(loader: DataLoader, position: Position) -> Iterator[list[torch.Tensor]]:
+def batches(loader: DataLoader | StreamLoader, position: Position) -> Iterator[list[torch.Tensor]]:
     """Endless batches from `position` on, advancing it by a global batch as each is handed out."""
+    if isinstance(loader, StreamLoader):
+        yield from loader.batches(position)
+        return
     sampler = loader.sampler
     assert isinstance(sampler, EpochSampler)
     while True:
         sampler.set_position(position)
-        # Apart for each rank: workers that augment must not draw the same for different samples.
-        loader.generator.manual_seed(epoch_seed(sampler.seed, position.epoch) + 7919 * sampler.rank)
+        loader.generator.manual_seed(rank_seed(sampler.seed, sampler.rank, position.epoch))
         for batch in loader:
             position.sample += sampler.batch_size * sampler.world_size
             yield batch

@@ -6,7 +6,7 @@ import hashlib
 import json
 import platform
 import re
-from collections.abc import Set
+from collections.abc import Set, Sized
 from pathlib import PurePath
 
 import numpy as np
@@ -119,7 +119,7 @@ def datasets(cfg: DictConfig, data: Data, splits: tuple[str, ...]) -> list[dict]
             "digest": hashlib.sha256(json.dumps([settings, split], sort_keys=True).encode()).hexdigest()[:8],
             "source": settings["_target_"],
             "context": CONTEXTS[split],
-            "samples": len(found[split]),
+            "samples": len(found[split]) if isinstance(found[split], Sized) else None,  # a stream's is unknown
         }
         for split in splits
         if found[split] is not None
