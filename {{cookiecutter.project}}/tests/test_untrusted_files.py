@@ -1,7 +1,8 @@
 """A checkpoint is data from anywhere: a sharded one whose `.metadata` (or a link in it) names a file
 outside its folder, and a FIFO where a checkpoint or one of its files should be, are refused in one
 line before anything is read, with checkpoint.verify on or off. A run that waited on a FIFO would be
-killed by the subprocess timeout, failing its test instead of hanging the suite."""
+killed by the subprocess timeout, failing its test instead of hanging the suite. A folder where the
+home's lock file goes is named as such, and left as it is."""
 
 import os
 import pickle
@@ -16,6 +17,7 @@ from test_sharded import reseal
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint import dcp_files
+from {{cookiecutter.package}}.engine.checkpoint.claim import after_holder
 from {{cookiecutter.package}}.engine.checkpoint.onefile import write
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.checkpoint.schema import STATE
@@ -131,3 +133,21 @@ def test_a_name_planted_in_a_checkpoint_is_quoted_without_its_control_characters
         f"{path} is a checkpoint of the run {quoted}, not of 'demo'; continue that run with name={quoted} "
         f"resume=last, or drop resume= and start this one from its weights with init.checkpoint={path}"
     )
+
+
+def test_a_folder_where_the_lock_file_goes_is_named_as_one_in_one_line_and_left_as_it_is(project):
+    lock = project / "checkpoints" / "demo" / "run.lock"
+    lock.mkdir(parents=True)
+    (lock / "mine.txt").write_text("mine")
+    result = ended(project, "run.py", QUIET, "trainer.max_steps=5")
+    assert result.returncode == 2, result.stderr
+    said = (
+        f"{lock} is a folder, where this run keeps its lock file (one it writes itself): move the folder out of the "
+        f"checkpoint folder (mv {lock} <elsewhere>) and run again"
+    )
+    assert result.stderr.strip() == f"error: {said}"
+    with pytest.raises(RunError) as raised, after_holder(lock.parent):  # what a standby waits on
+        pass
+    assert str(raised.value) == said
+    assert sorted(path.name for path in lock.parent.rglob("*")) == ["mine.txt", "run.lock"]
+    assert (lock / "mine.txt").read_text() == "mine"

@@ -3,8 +3,10 @@ project's files had uncommitted changes and what they were, the template commit 
 project (its `.cruft.json`), and the installed packages.
 
 The diff goes to the tracking store, where others may read it: an untracked file is named there,
-its content copied only when mlflow.untracked_content asks for it, and never a file named like a
-secret (a `.env`, a key) nor one outside the project's folder (a larger repository's `.aws/`).
+its content copied only when mlflow.untracked_content asks for it, and only a source, config or
+text file's of the types COPIED, never a hidden one's (`.netrc`, `.aws/config`), one named like a
+secret's, nor one outside the project's folder (a larger repository's `.aws/`). What looks like a
+credential in any file's changes, a tracked README's too, is masked (masking.py), and said in the diff.
 
 The MLflow sender process finds these (mlflow_store.record_origin) after it has answered the run's
 id, so none of it is paid before step 1; nothing here imports torch or MLflow.
@@ -20,19 +22,27 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 
 from .checkpoint.files import read_regular
-from .errors import shown
+from .errors import listed, shown
+from .masking import MASK, mask
 
 log = logging.getLogger(__name__)
 
 GIT_SECONDS = 30  # a git that hangs (a slow network filesystem) costs the sender this, never the run
 UNTRACKED_BYTES = 1 << 20  # a larger untracked file is taken for data, not source: named, not copied
 UNKNOWN = "unknown"  # template.version of a project made without a template commit to name; git.dirty git cannot tell
-# An untracked file whose name, or the name of a folder on its way, matches one of these (in any
-# case) is named in the diff and never copied, whatever mlflow.untracked_content says.
-SECRET_NAMES = (".env*", "*.pem", "*.key", "id_*", "*credential*", "*secret*", "*token*")
+# The types of untracked file whose content mlflow.untracked_content copies: a project's Python, its
+# configs and its notes, where a credential would be a slip (and is masked). Left out are the forms
+# credential files take: INI and .cfg (.pypirc, boto, .s3cfg), JSON (cloud service accounts, Docker's
+# config.json), shell (exports of tokens), keys and certificates (.pem, .p12), and files without a type
+# (.netrc, kubeconfig, id_rsa). C++ and CUDA sources are a project's own kernels.
+COPIED = (".py", ".pyi", ".yaml", ".yml", ".toml", ".md", ".rst", ".txt", ".c", ".cpp", ".h", ".cu")
+# A file of those types is named and not copied where its name, or that of a folder on its way,
+# matches one of these (in any case), or begins with a dot: where tools keep state and credentials.
+SECRET_NAMES = ("*credential*", "*secret*", "*token*", "*passw*", "*apikey*", "*_key*", "*-key*")
 NAMED_ONLY = (
-    "# Untracked files, named only: their content is copied only with mlflow.untracked_content=true, and never "
-    f"that of a link, of a file over {UNTRACKED_BYTES >> 20} MiB or of a name that looks like a secret's\n"
+    "# Untracked files, named only: their content is copied only with mlflow.untracked_content=true, and only "
+    f"that of a file of its own of at most {UNTRACKED_BYTES >> 20} MiB, of a type among {' '.join(COPIED)}, "
+    "neither hidden nor named like a secret\n"
 )
 
 
@@ -88,15 +98,15 @@ def uncommitted(folder: Path, with_content: bool) -> tuple[str, list[str]]:
     """The changes to the files under `folder` against HEAD, as a diff `git apply` takes at the top
     of the checkout: tracked files, staged or not, then each untracked file that git does not
     ignore, named in a header that `git apply` skips, or (`with_content`) as a new file where it is
-    a file of its own, not named like a secret, of at most UNTRACKED_BYTES; and the untracked files
-    left out for their size. Nothing outside `folder`: in a larger repository, the rest is not the
-    project's."""
+    `copied`, a file of its own, of at most UNTRACKED_BYTES; what looks like a credential, masked and
+    said in a header; and the untracked files left out for their size. Nothing outside `folder`: in a
+    larger repository, the rest is not the project's."""
     top, prefix = _git(folder, "rev-parse", "--show-toplevel", "--show-prefix").split("\n")[:2]
     diff = _git(folder, "diff", "HEAD", "--no-color", "--no-ext-diff", "--", ".")
     untracked = _git(folder, "ls-files", "--others", "--exclude-standard", "--full-name", "-z", "--", ".")
     named, large = [], []
     for name in filter(None, untracked.split("\0")):
-        size = _own_size(Path(top) / name) if with_content and not secret_like(name.removeprefix(prefix)) else None
+        size = _own_size(Path(top) / name) if with_content and copied(name.removeprefix(prefix)) else None
         if size is not None and size > UNTRACKED_BYTES:
             large.append(name)
         if size is None or size > UNTRACKED_BYTES:
@@ -104,15 +114,30 @@ def uncommitted(folder: Path, with_content: bool) -> tuple[str, list[str]]:
             continue
         # git's own form for a new file; it exits 1 when the two differ, as they do.
         diff += _git(Path(top), "diff", "--no-index", "--no-color", "--no-ext-diff", "--", "/dev/null", name, ok=(1,))
+    diff, masked = mask(diff)
+    if masked:
+        places = listed([f"{shown(name)} ({lines} line{'s' * (lines > 1)})" for name, lines in masked.items()])
+        log.warning(
+            f"provenance/git.diff masks what looks like a credential in {places}: keep it out of the project's "
+            f"files (in an environment variable, or a file that git ignores)"
+        )
+        what = "a private key, a cloud key, a token, a password"
+        diff = (
+            f"# Masked as {MASK}, what looks like a credential ({what}) in {places}: there, this diff does not apply\n"
+            + diff
+        )
     if named:
         diff = NAMED_ONLY + "".join(f"#   {shown(name)}\n" for name in named) + diff
     return diff, large
 
 
-def secret_like(name: str) -> bool:
-    """Whether `name` (a path under the project's folder), or a folder on its way, is named like a
-    secret (SECRET_NAMES)."""
-    return any(fnmatchcase(part.lower(), pattern) for part in PurePosixPath(name).parts for pattern in SECRET_NAMES)
+def copied(name: str) -> bool:
+    """Whether the content of the untracked file `name` (a path under the project's folder) may be
+    copied: of a type COPIED, and neither it nor a folder on its way hidden or named like a secret."""
+    path = PurePosixPath(name)
+    return path.suffix.lower() in COPIED and not any(
+        part.startswith(".") or fnmatchcase(part.lower(), pattern) for part in path.parts for pattern in SECRET_NAMES
+    )
 
 
 def _own_size(path: Path) -> int | None:

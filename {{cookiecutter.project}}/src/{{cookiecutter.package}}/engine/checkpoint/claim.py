@@ -76,6 +76,11 @@ def _open_lock(home: Path) -> BinaryIO:
         home.mkdir(parents=True, exist_ok=True)
         # Not truncated on open: the holder's name stays readable until we hold the lock.
         descriptor = open_plain(path, os.O_RDWR)
+    except IsADirectoryError:
+        raise RunError(
+            f"{path} is a folder, where this run keeps its lock file (one it writes itself): move the folder out of "
+            f"the checkpoint folder (mv {path} <elsewhere>) and run again"
+        ) from None
     except NotPlain as refused:
         raise RunError(
             f"{path} is {refused.what}, which this run would write through; it writes only files of its own there: "
