@@ -1,11 +1,16 @@
 """`python run.py [group=option ...] [key=value ...]`: see configs/config.yaml for the groups."""
 
+import time
+
+began = time.time() - time.process_time()  # first: when this interpreter started (engine/goodput.py says why)
+
+# ruff: noqa: E402
 import atexit
 import gc
 
 import hydra
 
-from {{cookiecutter.package}}.engine import standby, tracking
+from {{cookiecutter.package}}.engine import goodput, standby, tracking
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
 
 
@@ -22,6 +27,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    goodput.interpreter_started(began)
     tracking.start_sender()
     # The last thing at exit: whatever is alive then lives to the end, so the interpreter's shutdown
     # need not search torch's million objects for garbage (1.2 s, a tenth of a short run).

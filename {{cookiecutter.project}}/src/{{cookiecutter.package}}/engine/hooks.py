@@ -21,25 +21,26 @@ once, by rank 0, and the others skip the rendering.
 
 A callback with `state_dict()` and `load_state_dict(state)` is saved in each checkpoint (the
 `callbacks` part, by its name) and resumes with the run. Its state is what a checkpoint may hold,
-checked at each save before anything is written: tensors and plain values, as the restricted loader
-that reads checkpoints back takes them (a path as `str(path)`).
+checked at each save before anything is written (callback_state.py): tensors and plain values, as the
+restricted loader that reads checkpoints back takes them (a path as `str(path)`), in dicts, lists and
+tuples that neither contain themselves nor nest a hundred deep.
 
-A hook that raises, or that runs longer than `trainer.hook_timeout_s`, stops the run in one line
-that names it and its hook, after the last good checkpoint: nothing after the hook is saved. A stop
-(SIGTERM, Ctrl-C: preemption.py) interrupts a hook at once, and the run's later hooks are skipped;
+A hook that raises, or that runs longer than `trainer.hook_timeout_s` (hold.py), stops the run in one
+line that names it and its hook, after the last good checkpoint: nothing after the hook is saved; one
+that swallows the interrupt of its overrun is stopped all the same. A stop (SIGTERM, Ctrl-C:
+preemption.py) interrupts a hook at once, swallowed or not, and the run's later hooks are skipped;
 the run saves as at any stop, unless a callback that keeps state takes part in the hook cut short:
 its state may be half-updated, so nothing more is saved, and the newest checkpoint stays the newest.
+The time hooks hold the run is their own in the run's goodput (`hooks`), not training's.
 """
 
-import io
 import json
 import logging
-import os
 import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,13 @@ import yaml
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from . import components
-from .checkpoint.files import load_restricted
+from . import callback_state, components
 from .distributed import World
-from .errors import RunError, first_line, listed, shown
+from .errors import RunError, first_line, listed
 from .evaluation import in_float32, in_step
+from .hold import Hold, Holding, Interrupted
 from .precision import autocast
-from .preemption import Interrupted, Preemption
+from .preemption import Preemption
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,14 @@ class Callbacks:
     For each hook, the callbacks that define it are listed once, here: a step calls
     `on_train_step_end` only where `stepping` is true, so callbacks without a per-step hook cost
     a step one check of a flag (bench/hooks_overhead.py), and a per-step hook's time bound costs no
-    system call (preemption.Hold)."""
+    system call (hold.py)."""
 
     def __init__(self, built: dict[str, Any], world: World) -> None:
         self._built, self._world = built, world
+        self._named = {
+            name: f"callbacks.{name} ({type(callback).__module__}.{type(callback).__qualname__})"
+            for name, callback in built.items()
+        }
         self._defining = {
             hook: [(name, callback) for name, callback in built.items() if callable(getattr(callback, hook, None))]
             for hook in HOOKS
@@ -111,9 +116,11 @@ class Callbacks:
 
     def call(self, hook: str, run: Any, *arguments: Any) -> None:
         """`hook(run, *arguments)` of each callback that defines it, in the order configured, each
-        holding the run (preemption.py): a stop interrupts it, and so does trainer.hook_timeout_s.
-        Every process agrees on how they ended (under ddp and fsdp: one small collective step,
-        where a callback defines `hook`), so that all stop at the same point with the same line."""
+        holding the run (hold.py): a stop interrupts it, and so does trainer.hook_timeout_s, and what
+        reached it counts whether it let the interrupt out or not. Their time is the `hooks` bucket of
+        the run's goodput. Every process agrees on how they ended (under ddp and fsdp: one small
+        collective step, where a callback defines `hook`), so that all stop at the same point with the
+        same line."""
         callbacks = self._defining[hook]
         if not callbacks or self._cut:
             return
@@ -122,25 +129,19 @@ class Callbacks:
         preemption = Preemption.installed  # None where signals cannot reach this thread
         hold = preemption.hold if preemption is not None else UNHELD
         said, outcome = None, 0
-        for name, callback in callbacks:
-            try:
-                with hold:
-                    getattr(callback, hook)(self._view, *arguments)
-            except Interrupted as interrupted:
-                if interrupted.received == signal.SIGALRM:
-                    said, outcome = (
-                        f"{self._named(name)} did not return from {hook} within trainer.hook_timeout_s="
-                        f"{hold.bound_s:g} s (raise it if the hook needs longer)",
-                        FAILED,
-                    )
-                else:
-                    said = f"{self._named(name)} was interrupted by {interrupted.received.name} in {hook}"
-                    outcome = interrupted.received
-                break
-            except Exception as error:
-                said = f"{self._named(name)} raised in {hook}: {type(error).__name__}: {first_line(error)}"
-                outcome = FAILED
-                break
+        with run.clock.during("hooks"):
+            for name, callback in callbacks:
+                raised = None
+                try:
+                    with hold.by(self._named[name], hook) as holding:
+                        getattr(callback, hook)(self._view, *arguments)
+                except Interrupted:
+                    pass  # what interrupted it is read from `holding`, as where the hook swallowed it
+                except Exception as error:
+                    raised = error
+                said, outcome = _ended(hold, holding, raised)
+                if outcome:
+                    break
         agreed, line = self._agree(said, outcome)
         if agreed:  # a stop cut the hook short: the run is stopping, and hooks after it could hold it again
             self._cut = True
@@ -163,19 +164,8 @@ class Callbacks:
         state = {name: callback.state_dict() for name, callback in stateful.items()}
         said = None
         for name, part in state.items():
-            if (refused := _refused(part, "state_dict()")) is not None:
-                where, value = refused
-                kind = type(value).__qualname__
-                instead = (
-                    "store str(path) instead"
-                    if isinstance(value, os.PathLike)
-                    else "store plain values instead: numbers, strings, tensors, and lists and dicts of them"
-                )
-                said = (
-                    f"{self._named(name)} holds {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at {where}, which a "
-                    f"checkpoint cannot hold (resume and eval.py load only tensors and plain values), so nothing "
-                    f"is saved; {instead}"
-                )
+            if (refused := callback_state.refused(part)) is not None:
+                said = f"{self._named[name]} holds {refused}"
                 break
         self._agree(said, FAILED if said else 0)
         return state
@@ -193,10 +183,6 @@ class Callbacks:
             for name, callback in self._built.items()
             if callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None))
         }
-
-    def _named(self, name: str) -> str:
-        callback = type(self._built[name])
-        return f"callbacks.{name} ({callback.__module__}.{callback.__qualname__})"
 
     def _agree(self, said: str | None, outcome: int) -> tuple[int, str | None]:
         """The outcome every process agrees on, the largest, and its line; a FAILED one raises, on
@@ -306,49 +292,19 @@ class CallbackRun:
         self._run.tracker.log_artifact(path, None if folder == "." else folder)
 
 
-UNHELD = nullcontext()
+UNHELD = Hold(None)  # where no Preemption is installed: signals cannot reach the hook, nor a watchdog
 
 
-def _refused(value: object, at: str) -> tuple[str, object] | None:
-    """Where in `value`, a callback's state at `at`, the restricted loader refuses what it finds, and
-    that; None where it takes all of it. files.load_restricted is the one judge of what a checkpoint
-    may hold: its refusal is searched for through the dicts, lists and tuples of `value`."""
-    if _loads(value):
-        return None
-    if type(value) is dict:
-        inside = [(f"a key of {at}", key) for key in value] + [(f"{at}[{key!r}]", item) for key, item in value.items()]
-    elif type(value) in (list, tuple):
-        inside = [(f"{at}[{index}]", item) for index, item in enumerate(value)]
-    else:
-        inside = []
-    return next((found for where, item in inside if (found := _refused(item, where))), (shown(at), value))
-
-
-def _loads(value: object) -> bool:
-    """Whether `value`, written as a checkpoint writes it, reads back through the restricted loader."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(_without_bytes(value), buffer)
-        buffer.seek(0)
-        load_restricted(buffer, "a callback's state", device="meta")
-    except Exception:  # what pickle cannot write at all (a lambda, an open file), or what the loader refuses
-        return False
-    return True
-
-
-def _without_bytes(value: object) -> object:
-    """`value` with the tensors of its dicts, lists and tuples on the meta device: the loader judges a
-    tensor by its kind, and a large one (an average of the weights) is not copied to be judged."""
-    if isinstance(value, torch.Tensor):
-        try:
-            return value.detach().to("meta")
-        except (RuntimeError, NotImplementedError):  # a layout without a meta form: judged as it is
-            return value
-    if type(value) is dict:
-        return {key: _without_bytes(item) for key, item in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(map(_without_bytes, value))
-    return value
+def _ended(hold: Hold, holding: Holding, raised: Exception | None) -> tuple[str | None, int]:
+    """How a hook's call ended, its line and its outcome (0: it returned): what reached it while it
+    held the run comes first, for a hook that swallowed it and then raised, or returned."""
+    if holding.overran:
+        return hold.overran(holding), FAILED
+    if holding.stopped is not None:
+        return f"{holding.who} was interrupted by {holding.stopped.name} in {holding.hook}", holding.stopped
+    if raised is not None:
+        return f"{holding.who} raised in {holding.hook}: {type(raised).__name__}: {first_line(raised)}", FAILED
+    return None, 0
 
 
 def _pil_image(image: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from . import priority, tracking
+from . import goodput, priority, tracking
 from .errors import RunError
 from .preemption import SIGNALS, Stopped
 
@@ -46,14 +46,15 @@ def warm_up() -> None:
 
 
 @contextlib.contextmanager
-def taking_over(cfg: DictConfig, said: "CommandLine | None") -> Iterator[float | None]:
-    """For a standby leg, waits until the leg that holds the run's home has ended, then holds the
-    home for the block and yields the time it took over, from which its leg counts; None where it
-    found the home free (its start-up, warm-up included, is then the run's, as any leg's is), and
-    for a leg that does not stand by. What the command line `said` is compared with on a resume,
-    the project's defaults, is composed before the wait."""
+def taking_over(cfg: DictConfig, said: "CommandLine | None") -> Iterator[float]:
+    """Yields when this leg's time counts from. For a standby leg, waits until the leg that holds
+    the run's home has ended, then holds the home for the block and yields the time it took over;
+    where it found the home free, and for a leg that does not stand by, goodput.leg_begins() (a
+    standby's start-up, warm-up included, is then the run's, as any leg's is). What the command line
+    `said` is compared with on a resume, the project's defaults, is composed before the wait."""
+    began = goodput.leg_begins()
     if not cfg.standby:
-        yield None
+        yield began
         return
     check(cfg)
     from .checkpoint.claim import after_holder  # with torch: not imported before run.py's warm_up
@@ -68,7 +69,7 @@ def taking_over(cfg: DictConfig, said: "CommandLine | None") -> Iterator[float |
             waited = held.enter_context(after_holder(home))
         if not waited:
             log.info(f"no leg holds {home}: this one goes on at once")
-            yield None
+            yield began
             return
         log.info(f"took over {home} after standing by {time.perf_counter() - waiting:.1f} s")
         yield time.time()

@@ -91,7 +91,7 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status, unsaved = "FAILED", None
-        with Preemption(cfg.trainer.hook_timeout_s) as preemption:
+        with Preemption(cfg.trainer.hook_timeout_s, checkpoints.continuation) as preemption:
             lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))
             run.tracker.open(*record(cfg, world, lineage), checkpoint=found and found.path, datasets=inputs)
             try:
@@ -210,7 +210,7 @@ def setup(
         found = checkpoints.restore(cfg.resume)
     if world.is_main:  # rank 0 holds the home, and keeps there the run's account of its time (goodput.py)
         anchored = found is not None and found.path.parent.resolve() == home.resolve()
-        run.clock.keep(home, continuing=cfg.resume is not None, anchored=anchored)
+        run.clock.keep(home, continuing=cfg.resume is not None, anchored=anchored, max_steps=cfg.trainer.max_steps)
     if found is not None:
         run.step = found.step
     # 7b. Or, fine-tuning: a fresh run from another run's model weights (init.checkpoint), copied
