@@ -29,8 +29,10 @@ import mlflow
 import torch
 from startup import workspace
 
+from {{cookiecutter.package}}.engine import goodput
+
 SIGNALS = {"term": [signal.SIGTERM], "kill": [signal.SIGKILL], "both": [signal.SIGTERM, signal.SIGKILL]}
-BUCKETS = ("startup", "restore", "compile", "validation", "save", "retrained", "train", "end", "between_legs")
+BUCKETS = (*goodput.BUCKETS, "between_legs")
 
 
 def command(name: str, steps: int, overrides: list[str]) -> list[str]:
