@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from PIL import Image
 
-from {{cookiecutter.package}}.engine import mlflow_store
+from {{cookiecutter.package}}.engine import mlflow_run, mlflow_store
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
@@ -1151,7 +1151,17 @@ def test_a_run_of_the_older_grouping_resumes_in_its_own_experiment_and_its_neste
     assert sorted(losses(client, old)) == list(range(1, 21))
     # An evaluation or a sweep job nests under its parent, in the parent's experiment, whatever its config says.
     cfg = MlflowConfig(enabled=True, tracking_uri=client.tracking_uri, experiment_name="elsewhere", parent_run_id=old)
-    opener = mlflow_store.RunOpener(client, cfg)
+    opener = mlflow_run.RunOpener(client, cfg)
     opener.create({}, {}, "", started=None)
     assert client.get_run(opener.run_id).info.experiment_id == run.info.experiment_id
     assert client.get_experiment_by_name("elsewhere") is None
+
+
+@pytest.mark.slow
+def test_a_sender_whose_trainer_died_mid_line_ends_instead_of_waiting_for_ever():
+    """A kill -9 in the middle of a write larger than the pipe's atomic size leaves the sender a line
+    cut short: it ends as at the pipe's end, rather than its reader dying and the sender waiting."""
+    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "drain"]
+    sender = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, stderr = sender.communicate(b'{"open": {"tracking_uri": "sqlite:///x.db", "na', timeout=120)
+    assert sender.returncode == 0, stderr.decode()

@@ -26,9 +26,10 @@ CLOSE_SECONDS = 60.0  # how long the end of a run waits for the sender to delive
 
 class Handover:
     """The training process's side of the sender: hands it requests, metrics and files, as JSON
-    lines, through a pipe, from a thread of its own, so a full pipe never blocks training; reads,
-    from another, its answer to `open`, then how many metrics and which files it has confirmed so
-    far, and that it has ended the run.
+    lines, through a pipe, from a thread of its own, so a full pipe never blocks training (a save
+    waits, with `flush`, for the metrics of the steps it covers); reads, from another, its answer
+    to `open`, then how many metrics and which files it has confirmed so far, and that it has
+    ended the run.
 
     Metrics, files, and the end of the run, stay here until confirmed. If the sender dies, those
     and everything handed over after go to the run's spill file instead, for `replay`.
@@ -113,9 +114,18 @@ class Handover:
             if len(self._gathered) >= HAND_OVER_EVERY:
                 self._hand_over()
 
-    def flush(self) -> None:
+    def flush(self) -> threading.Event:
+        """Hands over the metrics gathered so far; the event is set once everything handed over
+        until now is written to the sender's pipe (or, the sender dead, to the spill file), from
+        where it reaches MLflow even if this process dies next."""
+        written = threading.Event()
         with self._lock:
             self._hand_over()
+            if self._closed:  # the writer ends with the run: close() waits for it instead
+                written.set()
+            else:
+                self._batches.put(written)
+        return written
 
     def _hand_over(self) -> None:
         if self._gathered:
@@ -174,7 +184,9 @@ class Handover:
 
     def _write(self) -> None:
         while (item := self._batches.get()) is not None:
-            if item is _SENDER_ENDED:
+            if isinstance(item, threading.Event):  # a flush: what came before it is written
+                item.set()
+            elif item is _SENDER_ENDED:
                 if self._child.wait() != 0:  # its output ends as it exits
                     self._sender_died(f"exit code {self._child.returncode}")
             elif self._died is not None:

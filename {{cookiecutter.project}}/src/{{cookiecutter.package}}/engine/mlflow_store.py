@@ -1,8 +1,9 @@
-"""The MLflow store, in the processes that talk to it: the URI checked, the client, the run opened
-or continued (and the project's experiment, its artifacts following a moved store), what a run
-records (origin, datasets, tags) and its end. Used by the sender process (sender.py), the
-launching process of a sweep (its parent run) and `replay`. The training process itself never
-imports this module, or MLflow: the import alone is 2 s of start-up (tracking.py is its side).
+"""The MLflow store, in the processes that talk to it: the URI checked, the client, the project's
+experiment (its artifacts following a moved store), what a run records (origin, datasets, tags)
+and its end; which run a leg writes into is mlflow_run.py's. Used by the sender process
+(sender.py), the launching process of a sweep (its parent run) and `replay`. The training process
+itself never imports this module, or MLflow: the import alone is 2 s of start-up (tracking.py is
+its side).
 """
 
 import contextlib
@@ -16,9 +17,8 @@ from urllib.parse import urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, RunTag
 from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
-from mlflow.exceptions import MlflowException
 from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
 from mlflow.utils.uri import get_uri_scheme
 from sqlalchemy.engine import make_url
@@ -82,131 +82,6 @@ def connect(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-class RunOpener:
-    """Opens the job's run: a new one, with the flattened config as params and the resolved config
-    as an artifact; or, resuming, the run that wrote the checkpoint, so its curves stay one line in
-    the UI. Params are immutable in MLflow: what changed since the run began goes into tags named
-    `resume.<n>.<key>`. A run missing from this store (a copied checkpoint, a new store) gets a
-    new run, tagged with the checkpoint it continues."""
-
-    def __init__(self, client: MlflowClient, cfg: MlflowConfig) -> None:
-        self.client, self.cfg = client, cfg
-        self.parent_tags = {"mlflow.parentRunId": cfg.parent_run_id} if cfg.parent_run_id else {}
-        self.run_id: str | None = None
-        self.resumes = 0
-
-    def create(self, params: dict[str, str], tags: dict[str, str], config_yaml: str, started: int | None) -> None:
-        """A new run, started at `started` (ms since the epoch): when the training process set it up,
-        not when this process got to it, which may be seconds later (MLflow's Duration)."""
-        experiment = self._parents_experiment() or experiment_id(self.client, self.cfg)
-        tags = {**tags, **self.parent_tags}
-        run = self.client.create_run(experiment, start_time=started, run_name=self.cfg.run_name, tags=tags)
-        self.run_id = run.info.run_id
-        self._log_params(params)
-        self.client.log_text(self.run_id, config_yaml, "config.yaml")
-
-    def continue_(
-        self,
-        run_id: str | None,
-        params: dict[str, str],
-        tags: dict[str, str],
-        config_yaml: str,
-        checkpoint: str,
-        started: int | None,
-    ) -> None:
-        try:
-            run = self.client.get_run(run_id) if run_id else None
-        except MlflowException:
-            run = None
-        if run is None or run.info.lifecycle_stage == "deleted":
-            if run_id is None:
-                log.info("the checkpoint was written untracked; continuing in a new MLflow run")
-            elif run is None:
-                log.info(f"MLflow run {run_id} is not in {self.cfg.tracking_uri}; continuing in a new run")
-            else:
-                experiment = self.client.get_experiment(run.info.experiment_id)
-                gone = experiment.lifecycle_stage == "deleted"  # with its runs
-                if gone and experiment.name == self.cfg.experiment_name:  # where the new run would go
-                    raise RunError(_deleted(experiment, self.cfg.tracking_uri, f", and run {run_id} with it"))
-                restore = (
-                    f"experiments restore --experiment-id {experiment.experiment_id}"
-                    if gone
-                    else f"runs restore --run-id {run_id}"
-                )
-                log.info(
-                    f"MLflow run {run_id} is deleted; continuing in a new run (`MLFLOW_TRACKING_URI="
-                    f"{self.cfg.tracking_uri} mlflow {restore}` brings the old one back)"
-                )
-            self.create(params, {**tags, "resumed_from_checkpoint": checkpoint}, config_yaml, started)
-            return
-        self.run_id = run_id
-        self.client.update_run(run_id, status="RUNNING")
-        self.resumes = int(run.data.tags.get("resumes", "0")) + 1
-        resumes, old = self.resumes, run.data.params
-        # Params keep their first values; what a resume changed, set or made null is tagged.
-        changed = {f"resume.{resumes}.{key}": value for key, value in params.items() if old.get(key) != value}
-        changed.update({f"resume.{resumes}.{key}": "None" for key in old.keys() - params.keys() if old[key] != "None"})
-        self._log_params({key: value for key, value in params.items() if key not in old})
-        resume_tags = {"resumes": str(resumes), f"resume.{resumes}.checkpoint": checkpoint}
-        set_tags(self.client, run_id, {**tags, **self.parent_tags, **changed, **resume_tags})
-
-    def _parents_experiment(self) -> str | None:
-        """The experiment of the run this one nests under (a sweep's, or the run an evaluation
-        judges): MLflow shows a child under its parent only within one experiment, and a parent
-        started under another grouping (one experiment per `name`, before) stays where it is."""
-        try:
-            parent = self.client.get_run(self.cfg.parent_run_id) if self.cfg.parent_run_id else None
-        except MlflowException:  # not in this store: the run goes where the config says
-            return None
-        return parent.info.experiment_id if parent is not None and parent.info.lifecycle_stage == "active" else None
-
-    def _log_params(self, params: dict[str, str]) -> None:
-        items = [Param(key, value) for key, value in params.items()]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per call
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
-
-
-def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
-    """The run `asked` describes (tracking.Tracker.open), opened; None, after a one-line warning,
-    when the store fails: training does not depend on it. A run opened and then failed is ended
-    FAILED, not left RUNNING."""
-    opener = None
-    try:
-        opener = RunOpener(connect(cfg.tracking_uri), cfg)
-        described = asked["params"], asked["tags"], asked["config_yaml"]
-        if asked["checkpoint"] is None:
-            opener.create(*described, asked["started"])
-        else:
-            opener.continue_(asked["run_id"], *described, asked["checkpoint"], asked["started"])
-        try:
-            log_datasets(opener.client, opener.run_id, asked["datasets"])
-        except Exception as error:  # the run is open: it goes on, without its Dataset column
-            log.warning(f"MLflow did not take the run's datasets ({first_line(error)})")
-        return opener
-    except Exception as error:
-        log.warning(f"MLflow at {cfg.tracking_uri} failed ({first_line(error)}); training goes on without tracking")
-        if opener is not None and opener.run_id is not None:
-            with contextlib.suppress(Exception):  # the store is failing already; said above
-                opener.client.set_terminated(opener.run_id, status="FAILED")
-        return None
-
-
-def attach_run(cfg: MlflowConfig, run_id: str) -> RunOpener | None:
-    """The run `run_id` as it is, for a resume with nothing left to train: not marked RUNNING, no
-    resume counted, nothing tagged; only the models it lacks are logged to it (logged_models.py).
-    None, after a one-line warning, when the store fails or does not have it."""
-    try:
-        opener = RunOpener(connect(cfg.tracking_uri), cfg)
-        opener.client.get_run(run_id)
-    except Exception as error:
-        log.warning(
-            f"MLflow at {cfg.tracking_uri} cannot give run {run_id} ({first_line(error)}); its models are not logged"
-        )
-        return None
-    opener.run_id = run_id
-    return opener
-
-
 # A resume's own origin tags, beside the first leg's: `resume.<n>.git.commit` (MLflow's own name,
 # mlflow.source.git.commit, stays the first leg's, which the UI shows as the run's source).
 LEG_TAGS = {"mlflow.source.git.commit": "git.commit"}
@@ -254,17 +129,23 @@ def log_datasets(client: MlflowClient, run_id: str, datasets: list[dict]) -> Non
 
 def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     try:
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
+        in_batches(client, run_id, tags=[RunTag(key, value) for key, value in tags.items()])
     except Exception as error:  # a store that is down must not end the run
         log.warning(f"could not tag MLflow run {run_id}: {first_line(error)}")
+
+
+def in_batches(client: MlflowClient, run_id: str, **entities: list) -> None:
+    """`log_batch` of the params or tags given, in calls of 100 at most: MLflow's limit per call."""
+    for kind, items in entities.items():
+        for start in range(0, len(items), 100):
+            client.log_batch(run_id, **{kind: items[start : start + 100]})
 
 
 def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
     """The id of `mlflow.experiment_name`, created on first use, of the model-training kind."""
     experiment = client.get_experiment_by_name(cfg.experiment_name)
     if experiment is not None and experiment.lifecycle_stage == "deleted":  # its name is still taken
-        raise RunError(_deleted(experiment, cfg.tracking_uri))
+        raise RunError(deleted_experiment(experiment, cfg.tracking_uri))
     if experiment is not None:
         if KIND not in experiment.tags:  # created before this project set it, or by hand
             client.set_experiment_tag(experiment.experiment_id, KIND, MODEL_TRAINING)
@@ -278,7 +159,7 @@ def experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
     return client.create_experiment(cfg.experiment_name, artifact_location=location, tags=tags)
 
 
-def _deleted(experiment: Any, tracking_uri: str, what_else: str = "") -> str:
+def deleted_experiment(experiment: Any, tracking_uri: str, what_else: str = "") -> str:
     return (
         f"the MLflow experiment {experiment.name!r} is deleted{what_else}; restore it with `MLFLOW_TRACKING_URI="
         f"{tracking_uri} mlflow experiments restore --experiment-id {experiment.experiment_id}`, or log to "

@@ -25,7 +25,8 @@ from mlflow.exceptions import MlflowException
 from .config import MlflowConfig
 from .errors import first_line
 from .logged_models import log_models, prepare_model_logging
-from .mlflow_store import attach_run, connect, end_run, open_run, record_origin, set_tags
+from .mlflow_run import attach_run, open_run
+from .mlflow_store import connect, end_run, record_origin, set_tags
 from .unsent import discard, replay_command, skipped, spill, spill_path, staged, unsent_rows
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,10 @@ def drain() -> None:
 
     def read() -> None:  # a thread, so that retries go on while no new line comes
         for line in sys.stdin:
-            incoming.put(json.loads(line))
+            try:
+                incoming.put(json.loads(line))
+            except json.JSONDecodeError:  # cut short: the training process died while writing it
+                break
         incoming.put(None)
 
     threading.Thread(target=read, daemon=True).start()

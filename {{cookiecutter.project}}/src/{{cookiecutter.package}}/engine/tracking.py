@@ -32,6 +32,7 @@ import posixpath
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlparse
@@ -113,7 +114,8 @@ class Tracker:
         untracked (a store that failed, mlflow.enabled=false), the run it continued. A resumed leg
         does not wait for the sender to answer (it imports MLflow, seconds that the leg's first save
         would wait for): until it has, the run is the one the leg continues, as the sender opens it
-        unless the store lost it, and then the next save holds the new one."""
+        unless that run is not this run's, or gone (then the next save holds the new one, and a
+        checkpoint saved before finds it: mlflow_run.RunOpener)."""
         if self._sender is not None and self._resumed_run_id is not None and not self._sender.answered:
             return {"run_id": self._resumed_run_id}
         return {"run_id": self.run_id or self._resumed_run_id}
@@ -128,10 +130,9 @@ class Tracker:
     ) -> None:
         """Asks the sender process (started now, unless run.py did) for a run, with the flattened
         config as params, the resolved config as an artifact and the `datasets` it reads as inputs
-        (provenance.datasets); or, resuming from `checkpoint`,
-        for the run that wrote it (mlflow_store.RunOpener). Returns at once: the sender opens the
-        run while training starts, and the store is opened only then, so a run that fails its
-        preflight leaves no trace."""
+        (provenance.datasets); or, resuming from `checkpoint`, for the run that wrote it, where that
+        is this run (mlflow_run.RunOpener). Returns at once: the sender opens the run while training
+        starts, and the store is opened only then, so a run that fails its preflight leaves no trace."""
         if not (self._cfg.enabled and self._main):
             return
         self._sender = _take_sender()
@@ -237,11 +238,11 @@ class Tracker:
             self._models = checkpoints
             self._sender.send({"models": {"checkpoints": checkpoints, "model": model, "example": example}})
 
-    def flush(self) -> None:
-        """Hands every metric so far to the sender process, which delivers them even if this
-        process dies next; does not wait for the store."""
-        if self._sender is not None:
-            self._sender.flush()
+    def flush(self) -> Callable[[], object]:
+        """Hands every metric so far to the sender process; returns the wait for them to be written
+        to its pipe (or, the sender dead, to the spill file), from where they reach MLflow even if
+        this process dies next. Neither waits for the store."""
+        return self._sender.flush().wait if self._sender is not None else lambda: None
 
     def log_checkpoint(self, loss: float, step: int) -> None:
         """What a checkpoint proves, `checkpoint/loss`, handed over before the process can die."""

@@ -44,7 +44,8 @@ class Checkpointer:
     and the random state last, so that nothing after it draws.
 
     `ready()` is asked before each save why the state must not be saved (it also measures what the
-    checkpoint proves); `saved(step, state)` is told of each checkpoint once it is on disk, from
+    checkpoint proves); the tracker part's metrics so far are in MLflow's sender's hands before the
+    checkpoint is visible; `saved(step, state)` is told of each checkpoint once it is on disk, from
     the thread that wrote it; `landed(path)`, from the training thread, once the run knows it is.
     Leaving the `with` block waits for a write still in flight, so that no run ends, or releases its
     checkpoint folder, while one of its files is half written.
@@ -79,6 +80,8 @@ class Checkpointer:
         self._in_flight: int | None = None  # the step being written; known to every process, which all
         # collect the write's outcome at the same point
         self._pending = None  # a sharded save in flight (sharded.Pending)
+        # The wait for the metrics of the steps up to the last save's (`_save`), called by its commit.
+        self._handed_over: Callable[[], object] = lambda: None
         self._last_save = time.monotonic()  # when the last save started: checkpoint.every_s counts from it
         # Read once: `due` is asked at every step, and a DictConfig's value costs microseconds.
         self._every = (self.settings.every_n_steps, self.settings.every_s, cfg.trainer.log_every_n_steps)
@@ -255,6 +258,10 @@ class Checkpointer:
         self._last_save = time.monotonic()
         self._refuse_unless_ready(step)
         state = self._capture(step)  # on every process: the random state is gathered from all
+        # A resume starts after this step, so the metrics of the steps up to it must be out of this
+        # process before the checkpoint is visible: a kill -9 after its rename would lose them for
+        # good. They are all known now; the commit waits for them, in the writer's thread if any.
+        self._handed_over = self.parts["tracker"].flush()
         background = background and self._background
         if self.strategy.shards:
             self._save_shards(state, background)
@@ -275,12 +282,15 @@ class Checkpointer:
             self._pending = sharded.begin(state, model, optimizer, self.home, self.world, writing)
             self._in_flight = step
             return
+        self._handed_over()
         path = sharded.save(state, model, optimizer, self.home, self.settings.keep_last, self.world)
         self._on_saved(step, state)
         self._saved(path, step)
 
     def _write(self, state: dict) -> Path:
-        """Rank 0: the one-file checkpoint, then its news; from the training thread or the writer's."""
+        """Rank 0: the one-file checkpoint, once the metrics it covers are handed over, then its news;
+        from the training thread or the writer's."""
+        self._handed_over()
         path = onefile.save(state, self.home, self.settings.keep_last)
         self._on_saved(state["step"], state)
         return path
@@ -319,6 +329,7 @@ class Checkpointer:
             from . import sharded
 
             pending, self._pending = self._pending, None
+            self._handed_over()  # written long since, as a rule: the shards took longer
             path = sharded.finish(pending, self._writer, self.home, self.settings.keep_last, self.world)
             self._on_saved(step, pending.state)
         else:
