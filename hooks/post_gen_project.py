@@ -4,9 +4,11 @@ where it came from (`.cruft.json`), then say what to type next.
 Cookiecutter renders this file with Jinja and runs it from the generated project root.
 """
 
+import importlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,10 +30,11 @@ LOCAL = ("_output_dir", "_repo_dir", "_checkout")
 # An empty marker file is the point of py.typed (PEP 561); any other empty file is a
 # Jinja-conditional file whose condition was false.
 KEEP_EMPTY = frozenset({"py.typed"})
-# The files the README calls yours: `cruft update` leaves them out of the two renders it compares,
-# so it never writes them; the ready components they name live in the engine, which it updates.
-COMPONENTS = ("models", "datasets", "tasks", "metrics", "callbacks", "schedulers")
-YOURS = [*(f"src/{PACKAGE}/{name}.py" for name in COMPONENTS), "configs"]
+# The files the README calls yours, which `cruft update` never writes: the list the engine's update
+# check holds a project's `.cruft.json` to, read from the project just made.
+sys.path.insert(0, "src")
+sys.dont_write_bytecode = True  # no __pycache__ in the project just made
+YOURS = importlib.import_module(f"{PACKAGE}.engine.update").yours(PACKAGE)
 
 
 def main() -> None:

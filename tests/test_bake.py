@@ -327,3 +327,130 @@ def test_a_template_that_is_no_git_checkout_bakes_with_a_null_commit(
     project = bake(tmp_path / "out", template=copy)
     assert json.loads((project / ".cruft.json").read_text(encoding="utf-8"))["commit"] is None
     assert template_version(project) == "unknown"
+
+
+# The distributions of the launchers and the sweeper, by the module a test asks for.
+LAUNCHERS = {
+    "hydra_plugins.hydra_joblib_launcher": "hydra-joblib-launcher",
+    "hydra_plugins.hydra_submitit_launcher": "hydra-submitit-launcher",
+    "hydra_plugins.hydra_optuna_sweeper": "hydra-optuna-sweeper",
+}
+NEEDS_A_LAUNCHER = re.compile(
+    r"""importorskip\("(hydra_plugins\.\w+)", reason="pip install -e '\.\[(\w+)\]'"\)"""
+)
+
+
+def distribution(requirement: str) -> str:
+    return re.split(r"[<>=!~; \[]", requirement, maxsplit=1)[0]
+
+
+def test_the_dev_extra_holds_no_launcher_and_each_launcher_test_names_the_extra_that_does(
+    bake: Bake, tmp_path: Path
+) -> None:
+    """`pip install -e '.[dev]'` is the daily loop's; the sweep launchers and the search (optuna,
+    submitit and what they bring) are extras of their own, which the docs of sweeps name."""
+    project = bake(tmp_path)
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = {
+        name: {distribution(requirement) for requirement in requirements}
+        for name, requirements in pyproject["project"]["optional-dependencies"].items()
+    }
+    assert not extras["dev"] & set(LAUNCHERS.values())
+    asked = {
+        found
+        for test in (project / "tests").glob("test_*.py")
+        for found in NEEDS_A_LAUNCHER.findall(test.read_text(encoding="utf-8"))
+    }
+    assert {module for module, _ in asked} == set(LAUNCHERS)
+    for module, extra in asked:
+        assert LAUNCHERS[module] in extras[extra], f"{module}: the extra {extra} lacks it"
+    sweeps = (project / "docs" / "sweeps.md").read_text(encoding="utf-8")
+    assert "pip install -e '.[sweeps]'" in sweeps and "pip install -e '.[search]'" in sweeps
+
+
+# Imported first in the bake's test processes: the launchers and the sweeper as if not installed.
+WITHOUT_LAUNCHERS = f"""
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith({tuple(LAUNCHERS)!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def launcher_tests(tests: Path) -> dict[str, str]:
+    """Each test of the bake's that asks for a launcher or the sweeper, by its pytest node id, with
+    the extra its skip names."""
+    found = {}
+    for module in sorted(tests.glob("test_*.py")):
+        source = module.read_text(encoding="utf-8")
+        for test in ast.parse(source).body:
+            if isinstance(test, ast.FunctionDef):
+                for _, extra in NEEDS_A_LAUNCHER.findall(ast.get_source_segment(source, test)):
+                    found[f"tests/{module.name}::{test.name}"] = extra
+    return found
+
+
+@pytest.mark.slow
+def test_without_the_launchers_their_tests_skip_each_naming_its_extra(
+    bake: Bake, tmp_path: Path
+) -> None:
+    project = bake(tmp_path / "bake")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(WITHOUT_LAUNCHERS, encoding="utf-8")
+    tests = launcher_tests(project / "tests")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--all", *tests],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{project / 'src'}"},
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    skipped = [line for line in ran.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert f"{len(tests)} skipped" in ran.stdout and len(skipped) == len(tests), ran.stdout
+    for extra in set(tests.values()):
+        named = sum(f"pip install -e '.[{extra}]'" in line for line in skipped)
+        assert named == list(tests.values()).count(extra), ran.stdout
+
+
+@pytest.mark.slow
+def test_an_install_that_is_not_editable_carries_the_engines_configs(
+    bake: Bake, tmp_path: Path
+) -> None:
+    """The engine's configs are data of its package: a project's configs/ finds them where the
+    package is installed, its src/ nowhere on the path."""
+    project = bake(tmp_path / "bake")
+    installed = tmp_path / "installed"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--target", str(installed), str(project)], check=True)
+    engine = Path("my_trainer", "engine", "configs")
+    shipped = {
+        path.relative_to(project / "src" / engine)
+        for path in (project / "src" / engine).rglob("*.yaml")
+    }
+    assert {
+        path.relative_to(installed / engine) for path in (installed / engine).rglob("*.yaml")
+    } == shipped
+    configs = shutil.copytree(project / "configs", tmp_path / "elsewhere" / "configs")
+    code = (
+        "import sys; from my_trainer.engine.config import config_roots\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from hydra.core.hydra_config import HydraConfig\n"
+        "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
+        "    cfg = compose('config', ['optimizer=sgd'], return_hydra_config=True)\n"
+        "HydraConfig.instance().set_config(cfg)\n"
+        "print(cfg.optimizer._target_, *config_roots())"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code, str(configs)],
+        cwd=tmp_path / "elsewhere",
+        env={**os.environ, "PYTHONPATH": str(installed)},
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["torch.optim.SGD", str(configs), str(installed / engine)]

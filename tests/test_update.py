@@ -1,6 +1,9 @@
 """A project remembers its template (`.cruft.json`): cruft finds it up to date after a bake, and
 `cruft update` brings the template's later commits into it and never writes the user's files (the
-record's skip list): the one line docs/updating.md gives updates, lints and tests a project."""
+record's skip list): the one line docs/updating.md gives updates, lints and tests a project. The
+engine's configs are the template's and arrive with it, the user's configs/ stays the user's; a
+project of one config root moves to the two; and the line stops, before cruft writes anything, a
+project whose files cruft would merge into or whose engine it would miss."""
 
 import json
 import os
@@ -112,6 +115,15 @@ OWN_CONFIGS = {
 # the user's own components.
 FAST_TESTS = "python -m pytest -x -q"
 SOME_FAST_TESTS = f"{FAST_TESTS} -p no:cacheprovider tests/test_imports.py"
+# The update line of docs/updating.md, and that of a project baked before the two config roots.
+UPDATE = f"python -m {PACKAGE}.engine.update before && cruft update -y && "
+FIRST_UPDATE = f"cruft update -y && python -m {PACKAGE}.engine.update after && "
+# The template's last commit with one config root: every group, option and setting in configs/.
+ONE_ROOT = "49da35de3da563979c82cccebb5549337815d8cf"
+# What a user chose, in a project of either layout: a group's option and a setting in config.yaml,
+# an option of the user's own, and (with the two roots) a file replacing the engine's.
+SMALL_CNN = f"_target_: {PACKAGE}.models.CNN\nchannels: [8, 16]\ndropout: 0.0\n"
+MY_ADAMW = "_target_: torch.optim.AdamW\nlr: 0.125\n"
 
 
 def git(folder: Path, *arguments: str) -> str:
@@ -259,17 +271,101 @@ def add_own_code(project: Path) -> None:
         with (project / "src" / PACKAGE / f"{kind}.py").open("a", encoding="utf-8") as file:
             file.write(code)
     for path, text in OWN_CONFIGS.items():
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
         (project / path).write_text(text, encoding="utf-8")
 
 
-def update_line(project: Path) -> str:
+def update_line(project: Path, start: str = UPDATE) -> str:
     """docs/updating.md's line that updates the project, lints it and runs its fast tests, here
-    with fewer of them."""
+    with fewer of them: the line of every update, or its line that starts with `start`."""
     page = (project / "docs" / "updating.md").read_text(encoding="utf-8")
-    line = next(line for line in page.splitlines() if line.startswith("cruft update -y && "))
+    line = next(line for line in page.splitlines() if line.startswith(start))
     line = line.partition("  #")[0].strip()
     assert line.endswith(FAST_TESTS), line
     return line.removesuffix(FAST_TESTS) + SOME_FAST_TESTS
+
+
+def updating(project: Path, line: str) -> subprocess.CompletedProcess:
+    """`line` typed in the project, with this venv's cruft, ruff and Python."""
+    return subprocess.run(
+        ["bash", "-c", line],
+        cwd=project,
+        env={
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(project / "src"),
+            "PWD": str(project),
+        },
+        capture_output=True,
+        text=True,
+    )
+
+
+def composed(project: Path, *overrides: str, package: str = PACKAGE) -> dict:
+    """The config `python run.py <overrides>` runs with in `project`, as its own engine composes
+    it, unresolved: ${project_root:} stays as written."""
+    code = (
+        f"import json, sys; from {package}.engine.config import Config\n"
+        "from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf\n"
+        "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
+        "    print(json.dumps(OmegaConf.to_container(compose('config', sys.argv[2:]))))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code, str(project / "configs"), *overrides],
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0, found.stderr
+    return json.loads(found.stdout)
+
+
+def merged_cleanly(project: Path) -> bool:
+    """Whether the update left no file unmerged and no `.rej`."""
+    unmerged = git(project, "diff", "--name-only", "--diff-filter=U")
+    return unmerged == "" and not list(project.rglob("*.rej"))
+
+
+def release(template: Path) -> str:
+    """Commits a release of the template: a default of the engine's configs changed, a setting the
+    engine now requires (in its schema and its engine.yaml), and a change of its own to the user's
+    config.yaml, which the update must not write; returns the commit."""
+    package = template / "{{cookiecutter.project}}" / "src" / "{{cookiecutter.package}}"
+    edit(
+        package / "engine" / "configs" / "checkpoint" / "default.yaml",
+        "keep_last: 3\n",
+        "keep_last: 5\n",
+    )
+    edit(
+        package / "engine" / "config.py",
+        "class TrainerConfig:\n",
+        "class TrainerConfig:\n    sanity_steps: int = MISSING  # required from this release\n",
+    )
+    edit(
+        package / "engine" / "configs" / "engine.yaml",
+        "\ntrainer:\n",
+        "\ntrainer:\n  sanity_steps: 7\n",
+    )
+    with (template / "{{cookiecutter.project}}" / "configs" / "config.yaml").open("a") as file:
+        file.write("# The template's later line.\n")
+    return commit_all(template, "keep_last 5, and trainer.sanity_steps")
+
+
+def edit(file: Path, old: str, new: str) -> None:
+    text = file.read_text(encoding="utf-8")
+    assert text.count(old) == 1, f"{file}: {old!r}"
+    file.write_text(text.replace(old, new), encoding="utf-8")
+
+
+def choose(project: Path) -> None:
+    """The user's choices in a project of two config roots: the CNN and 50 steps for every run in
+    config.yaml, an option of their own, and their AdamW in place of the engine's."""
+    edit(project / "configs" / "config.yaml", "  - model: mlp\n", "  - model: cnn\n")
+    with (project / "configs" / "config.yaml").open("a") as file:
+        file.write("\ntrainer:\n  max_steps: 50\n")
+    for group, name, text in (("model", "small_cnn", SMALL_CNN), ("optimizer", "adamw", MY_ADAMW)):
+        (project / "configs" / group).mkdir()
+        (project / "configs" / group / f"{name}.yaml").write_text(text, encoding="utf-8")
 
 
 @pytest.mark.slow
@@ -290,25 +386,12 @@ def test_the_documented_update_leaves_the_users_files_byte_for_byte_and_the_proj
     own = yours(project)
     new = after_the_move(template, layout)
 
-    environment = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(project / "src"),
-        "PWD": str(project),
-    }
-    updated = subprocess.run(
-        ["bash", "-c", update_line(project)],
-        cwd=project,
-        env=environment,
-        capture_output=True,
-        text=True,
-    )
+    updated = updating(project, update_line(project))
     assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
     assert NEXT_STEPS not in updated.stdout  # the two renders cruft compares are no one's bakes
 
     assert yours(project) == own
-    assert git(project, "diff", "--name-only", "--diff-filter=U") == ""  # no file left unmerged
-    assert not list(project.rglob("*.rej"))
+    assert merged_cleanly(project)
     state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
     assert (state["commit"], state["skip"]) == (new, YOURS)
     assert (project / "src" / PACKAGE / "engine" / "ready" / "models.py").is_file()
@@ -324,7 +407,7 @@ def test_the_documented_update_leaves_the_users_files_byte_for_byte_and_the_proj
             "mlflow.enabled=false",
         ],
         cwd=project,
-        env=environment,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
         capture_output=True,
         text=True,
     )
@@ -360,3 +443,172 @@ def test_a_project_without_a_skip_list_takes_the_docs_one_and_the_update_leaves_
     assert yours(project) == own
     assert (project / "src" / PACKAGE / "engine" / "ready" / "models.py").is_file()
     assert json.loads(state_file.read_text(encoding="utf-8"))["skip"] == YOURS
+
+
+@pytest.mark.slow
+def test_an_update_brings_the_engines_changed_default_and_new_setting_and_keeps_your_choices(
+    bake: Bake, template: Path
+) -> None:
+    """The engine's configs are the template's: a release's default (checkpoint.keep_last 3 -> 5)
+    and a setting its schema now requires both arrive; what the user chose in configs/ (a group's
+    option and a setting in config.yaml, an option of their own, a file replacing the engine's)
+    stays, byte for byte, and wins."""
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    choose(project)
+    commit_all(project, "My choices")
+    own = yours(project)
+    new = release(template)
+
+    updated = updating(project, update_line(project))
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert "Good work!" in updated.stdout and merged_cleanly(project)
+    assert yours(project) == own
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == new
+    config = composed(project)
+    assert (config["checkpoint"]["keep_last"], config["trainer"]["sanity_steps"]) == (5, 7)
+    assert config["model"]["_target_"] == f"{PACKAGE}.models.CNN"
+    assert config["trainer"]["max_steps"] == 50
+    assert config["optimizer"] == {"_target_": "torch.optim.AdamW", "lr": 0.125}
+    assert composed(project, "model=small_cnn")["model"]["channels"] == [8, 16]
+
+
+def one_root(template: Path) -> str:
+    """Commits the template as it was at ONE_ROOT, from this checkout's history; returns it."""
+    history = ["git", "-C", str(TEMPLATE)]
+    if subprocess.run([*history, "cat-file", "-e", f"{ONE_ROOT}^{{commit}}"]).returncode:
+        pytest.skip(f"needs the template's commit {ONE_ROOT[:7]}: a checkout with its history")
+    git(template, "rm", "-rq", ".")
+    parts = ["cookiecutter.json", "hooks", "{{cookiecutter.project}}"]
+    tree = subprocess.run([*history, "archive", ONE_ROOT, *parts], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(template)], input=tree.stdout, check=True)
+    return commit_all(template, "One config root")
+
+
+@pytest.mark.slow
+def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keeping_its_choices(
+    bake: Bake, template: Path
+) -> None:
+    """Baked with every group, option and setting in configs/, its choices made there (a setting
+    and a group's option in config.yaml, a default edited in the group's file, an option of its
+    own), then updated by the line docs/updating.md gives such a project: configs/ keeps only what
+    differs from the engine's, and the project composes as a fresh bake given those choices."""
+    layout = git(template, "rev-parse", "HEAD")
+    fresh = bake(template.parent / "fresh", template=template)
+    one_root(template)
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    configs = project / "configs"
+    edit(configs / "config.yaml", "\nname: demo ", "\nname: mine ")
+    edit(configs / "config.yaml", "  max_steps: 300 ", "  max_steps: 50 ")
+    edit(configs / "config.yaml", "  - model: mlp\n", "  - model: cnn\n")
+    edit(configs / "checkpoint" / "default.yaml", "keep_last: 3\n", "keep_last: 2\n")
+    (configs / "model" / "small_cnn.yaml").write_text(SMALL_CNN, encoding="utf-8")
+    commit_all(project, "My choices")
+    git(template, "rm", "-rq", ".")
+    git(template, "checkout", layout, "--", ".")
+    new = commit_all(template, "Two config roots")
+
+    updated = updating(project, update_line(fresh, FIRST_UPDATE))
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert merged_cleanly(project)
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == new
+    left = {str(path.relative_to(configs)) for path in configs.rglob("*.yaml")}
+    experiments = {
+        f"experiment/{path.name}" for path in (fresh / "configs" / "experiment").iterdir()
+    }
+    assert left == {"config.yaml", "checkpoint/default.yaml", "model/small_cnn.yaml", *experiments}
+    assert "kept configs/checkpoint/default.yaml, configs/model/small_cnn.yaml" in updated.stdout
+    chosen = ["name=mine", "trainer.max_steps=50", "model=cnn", "checkpoint.keep_last=2"]
+    assert composed(project) == composed(fresh, *chosen)
+    assert composed(project, "model=small_cnn")["model"]["channels"] == [8, 16]
+
+
+def set_as_told(project: Path, told: str) -> None:
+    """Sets in `.cruft.json` what an update's stop said to set (`set "<key>": <JSON> in
+    .cruft.json`), the answer `package` among the answers."""
+    key, value = re.search(r'set "(\w+)": (.*?) in \.cruft\.json', told).groups()
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    (state["context"]["cookiecutter"] if key == "package" else state)[key] = json.loads(value)
+    (project / ".cruft.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_project_whose_skip_list_is_empty_is_told_what_to_set_before_a_file_is_written(
+    template: Path,
+) -> None:
+    """With nothing skipped, cruft would merge the template's config.yaml into the user's (a
+    conflict in the trial's four files); the line stops first, in one line that gives the list,
+    and once it is set the update leaves the user's files and brings the engine's."""
+    typed(["cruft", "create", "-y", "continuum"], template.parent)
+    project = template.parent / "my-trainer"
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    (project / ".cruft.json").write_text(
+        json.dumps({**state, "skip": []}, indent=2), encoding="utf-8"
+    )
+    git(project, "init", "-q")
+    with (project / "configs" / "config.yaml").open("a") as file:
+        file.write("# My later line.\n")
+    baked = commit_all(project, "Baked, a line of mine added")
+    release(template)
+    line = update_line(project)
+
+    stopped = updating(project, line)
+    assert stopped.returncode == 2, f"{stopped.stdout}\n{stopped.stderr}"
+    assert stopped.stderr.startswith("error: .cruft.json's skip leaves out ")
+    assert stopped.stderr.count("\n") == 1 and "Traceback" not in stopped.stderr
+    assert git(project, "status", "--porcelain") == ""
+    assert git(project, "rev-parse", "HEAD") == baked
+
+    set_as_told(project, stopped.stderr)
+    commit_all(project, "My files out of the updates")
+    own = yours(project)
+    updated = updating(project, line)
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert merged_cleanly(project) and yours(project) == own
+    assert composed(project)["checkpoint"]["keep_last"] == 5
+
+
+@pytest.mark.slow
+def test_a_renamed_package_stops_the_update_in_one_line_and_the_line_it_gives_brings_the_fix(
+    bake: Bake, template: Path
+) -> None:
+    """`git mv src/my_trainer src/renamed`: cruft would patch nothing of the engine, leave no
+    `.rej`, say "Good work!" and record the new commit, so no later update brings the fix either.
+    The line stops before cruft; what it says to set makes the update bring the fix to the
+    renamed engine."""
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    line = update_line(project).replace(PACKAGE, "renamed")  # as its reader types it now
+    git(project, "mv", f"src/{PACKAGE}", "src/renamed")
+    for name in git(project, "ls-files").splitlines():
+        path = project / name
+        text = path.read_text(encoding="utf-8")
+        if PACKAGE in text and name != ".cruft.json":
+            path.write_text(text.replace(PACKAGE, "renamed"), encoding="utf-8")
+    renamed = commit_all(project, "The package renamed")
+    release(template)
+
+    stopped = updating(project, line)
+    assert stopped.returncode == 2, f"{stopped.stdout}\n{stopped.stderr}"
+    assert stopped.stderr.startswith(f"error: the template's engine is src/{PACKAGE}/engine/ ")
+    assert 'set "package": "renamed" in .cruft.json' in stopped.stderr
+    assert stopped.stderr.count("\n") == 1 and "Traceback" not in stopped.stderr
+    assert git(project, "status", "--porcelain") == ""
+    assert git(project, "rev-parse", "HEAD") == renamed
+
+    set_as_told(project, stopped.stderr)
+    commit_all(project, "The template's answer: my package's name")
+    stopped = updating(project, line)  # the skip list's paths name the package too
+    assert stopped.returncode == 2 and f'"skip": ["src/{PACKAGE}/models.py' in stopped.stderr
+    set_as_told(project, stopped.stderr)
+    commit_all(project, "My files, by their new paths, out of the updates")
+    updated = updating(project, line)
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert merged_cleanly(project)
+    engine = project / "src" / "renamed" / "engine"
+    assert "sanity_steps: int = MISSING" in (engine / "config.py").read_text(encoding="utf-8")
+    assert composed(project, package="renamed")["checkpoint"]["keep_last"] == 5

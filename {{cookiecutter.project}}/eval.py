@@ -12,8 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
-from {{cookiecutter.package}}.engine.saved_model import take
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -26,7 +25,9 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     typed = list(sys.argv)
-    asked = take(sys.argv, checkpoint="best")
     tracking.start_sender()
+    from {{cookiecutter.package}}.engine.saved_model import take  # imports torch: after the sender starts
+
+    asked = take(sys.argv, checkpoint="best")
     atexit.register(gc.freeze)  # as run.py does, and for the same reason
     main()

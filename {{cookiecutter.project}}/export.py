@@ -6,7 +6,7 @@ import sys
 
 import hydra
 
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 from {{cookiecutter.package}}.engine.saved_model import take
 
 

@@ -11,7 +11,7 @@ import gc
 import hydra
 
 from {{cookiecutter.package}}.engine import goodput, standby, tracking
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers configs/config.yaml uses
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

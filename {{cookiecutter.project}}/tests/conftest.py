@@ -1,5 +1,6 @@
 """Shared fixtures: configs composed from the real configs/ folder, pointed at temporary stores."""
 
+import importlib.resources
 import os
 import select
 import shutil
@@ -21,6 +22,9 @@ from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.goodput import BUCKETS
 
 PROJECT = Path(__file__).resolve().parents[1]
+# The folders a run's config is composed from, the first one's files winning (engine.config.config_roots):
+# the project's, then the engine's, found where its package is installed.
+CONFIG_ROOTS = (PROJECT / "configs", Path(str(importlib.resources.files("{{cookiecutter.package}}.engine.configs"))))
 
 # Small and fast, on the CPU; each test overrides what it is about.
 BASE = {

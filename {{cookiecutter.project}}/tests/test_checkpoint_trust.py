@@ -6,16 +6,16 @@ seal is a checksum anyone can recompute, not a signature)."""
 
 import logging
 import math
+import os
 import shutil
 import sys
-import types
 from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT, losses, run_cli
+from conftest import CONFIG_ROOTS, losses, run_cli, start
 from omegaconf import OmegaConf
 from test_checkpoints import corrupt
 from test_distributed import CPU, store
@@ -174,6 +174,8 @@ import gzip
 
 from torch import nn
 
+SIZE = 3
+
 
 class Model(nn.Module):
     def loss(self, outputs, targets):
@@ -182,27 +184,109 @@ class Model(nn.Module):
 
 def build() -> Model:
     return Model()
+
+
+def rebound() -> None:
+    pass
+
+
+rebound = gzip.open
 """
+SWEEP = "{{cookiecutter.package}}.engine.sweeps.SweepCallback"
+
+
+def copied(src: Path) -> tuple[Path, Path]:
+    """The package's folder copied into `src`, with modules of yours beside engine/: MINE, a subpackage,
+    a module linked in from outside the folder, and two whose bodies write a file when imported (a
+    program's `__main__.py`, and a module that defines nothing); the folder, and that file."""
+    package = shutil.copytree(
+        Path({{cookiecutter.package}}.__file__).parent, src / "{{cookiecutter.package}}", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    marker = src / "ran"
+    body = f"open({str(marker)!r}, 'w').close()\n"
+    (package / "__main__.py").write_text(f"{body}\n\ndef main() -> None:\n    pass\n")
+    (package / "ran_when_imported.py").write_text(body)
+    (package / "mine.py").write_text(MINE)
+    (package / "sub").mkdir()
+    (package / "sub" / "deep.py").write_text("class Deep:\n    pass\n")
+    (src / "elsewhere.py").write_text("class Evil:\n    pass\n")
+    (package / "linked.py").symlink_to(src / "elsewhere.py")
+    return package, marker
 
 
 @pytest.mark.daily
 def test_a_class_the_package_defines_passes_and_one_a_module_of_it_imports_does_not(tmp_path, monkeypatch):
-    """The ready components are the engine's: they pass where configs/ names them (`models.MLP`), and by
-    the engine's path never."""
-    mine = types.ModuleType("{{cookiecutter.package}}.mine")
-    exec(MINE, mine.__dict__)
-    monkeypatch.setitem(sys.modules, mine.__name__, mine)
-    monkeypatch.setattr({{cookiecutter.package}}, "mine", mine, raising=False)
-    nothing = tmp_path / "configs"  # names no target: only the package can
-    nothing.mkdir()
-    for target in ("mine.Model", "mine.build", "mine.Model.loss"):
-        targets.check({"model": {"_target_": f"{{cookiecutter.package}}.{target}"}}, {}, (nothing,), tmp_path / "sent.pt")
-    targets.check({"model": {"_target_": "{{cookiecutter.package}}.models.MLP"}}, {}, (PROJECT / "configs",), tmp_path / "sent.pt")  # fmt: skip
-    for target in ("mine.nn.Linear", "mine.gzip.open", "engine.ready.models.MLP", "engine.checkpoint.files.remove", "models", "models.Nothing"):  # fmt: skip
+    """Decided from the package's source, nothing imported: the ready components are the engine's,
+    and pass only where configs/ names them (`models.MLP` at `model._target_`), by the engine's path
+    never; nor does a name an import or an assignment binds, a program's, or a module's through a link."""
+    package, marker = copied(tmp_path)
+    monkeypatch.setattr(targets, "FOLDER", package)
+    modules = set(sys.modules)
+    for target in ("mine.Model", "mine.build", "mine.Model.loss", "sub.deep.Deep"):
+        targets.check({"model": {"_target_": f"{{cookiecutter.package}}.{target}"}}, {}, (), tmp_path / "sent.pt")
+    targets.check({"model": {"_target_": "{{cookiecutter.package}}.models.MLP"}}, {}, CONFIG_ROOTS, tmp_path / "sent.pt")
+    refused_here = (
+        "mine.nn.Linear", "mine.gzip.open", "mine.SIZE", "mine.rebound", "mine.Model.loss.x", "mine.build.x",
+        "engine.ready.models.MLP", "engine.checkpoint.files.remove", "models", "models.Nothing", "models.MLP",
+        "data.Data", "__main__.main", "ran_when_imported.Model", "linked.Evil",
+    )  # fmt: skip
+    # By the package alone (no config folder); and by configs/, at a key other than the one it names MLP at.
+    for roots, where, target in [*(((), "model", target) for target in refused_here), (CONFIG_ROOTS, "callbacks.x", "models.MLP")]:  # fmt: skip
         named = f"{{cookiecutter.package}}.{target}"
+        config = reduce(lambda inner, key: {key: inner}, reversed(where.split(".")), {"_target_": named})
         with pytest.raises(RunError) as refused:
-            targets.check({"model": {"_target_": named}}, {}, (nothing,), tmp_path / "sent.pt")
-        assert str(refused.value) == refusal(tmp_path / "sent.pt", "model._target_", named)
+            targets.check(config, {}, roots, tmp_path / "sent.pt")
+        assert str(refused.value) == refusal(tmp_path / "sent.pt", f"{where}._target_", named)
+    assert set(sys.modules) == modules and not marker.exists()
+
+
+@pytest.mark.daily
+def test_a_config_files_targets_are_placed_under_its_group_or_where_its_package_line_says(tmp_path):
+    files = {
+        "config.yaml": "hydra:\n  callbacks:\n    sweep:\n      _target_: a.Sweep\n",
+        "model/wide.yaml": "_target_: a.Wide\nlayers: [{_target_: a.Layer}]\n",
+        "callbacks/curve.yaml": "curve:\n  _target_: a.Curve\n",
+        "experiment/big.yaml": "# @package _global_\ndefaults:\n  - override /model: wide\nmodel:\n  _target_: a.Big\n",
+        "hydra/launcher/cluster.yaml": "# @package hydra.launcher\n_target_: a.Launcher\n",
+        "loss/nested.yaml": "# A comment before the line: Hydra reads no package line after it.\n# @package x\n_target_: a.Loss\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert targets.targets_in(tmp_path) == {
+        ("hydra.callbacks.sweep._target_", "a.Sweep"),
+        ("model._target_", "a.Wide"),
+        ("model.layers.0._target_", "a.Layer"),
+        ("callbacks.curve._target_", "a.Curve"),
+        ("model._target_", "a.Big"),
+        ("hydra.launcher._target_", "a.Launcher"),
+        ("loss._target_", "a.Loss"),
+    }
+
+
+@pytest.mark.parametrize("target", ["__main__.main", "ran_when_imported.Model", "data.Data"])
+def test_no_module_of_the_package_runs_before_a_target_it_does_not_define_is_refused(project, written, target):
+    """A program's `__main__.py` and a module whose body acts are not imported to be refused, nor the
+    shim that warns when it is: eval.py's whole output is the refusal."""
+    _, marker = copied(project / "src")
+    named = f"{{cookiecutter.package}}.{target}"
+    sent = crafted(written, project / "sent.pt", lambda config: config["model"].update(_target_=named))
+    env = {**os.environ, "PYTHONPATH": str(project / "src")}  # the copy is the package eval.py imports
+    process = start(project, *CPU, f"checkpoint={sent}", script="eval.py", env=env)
+    _, stderr = process.communicate(timeout=180)
+    assert (process.returncode, stderr) == (2, f"error: {refusal(sent, 'model._target_', named)}\n")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("key", ["callbacks.x._target_", "model._target_"])
+def test_an_engine_class_that_configs_names_for_hydra_is_refused_at_any_other_key(typed, written, tmp_path, key):
+    """configs/ names the sweep callback under `hydra.callbacks`: a checkpoint cannot have the run build
+    it as a callback of its training, or as its model."""
+    config = reduce(lambda inner, part: {part: inner}, reversed(key.split(".")[:-1]), {"_target_": SWEEP})
+    sent = crafted(written, tmp_path / "sent.pt", lambda stored: stored.update(config))
+    with pytest.raises(RunError) as refused:
+        started("resume", typed, sent, tmp_path)
+    assert str(refused.value) == refusal(sent, key, SWEEP)
 
 
 def importing(tmp_path: Path, monkeypatch) -> tuple[Callable[[dict], object], Path]:
@@ -283,21 +367,19 @@ def nested(depth: int) -> dict:
 @pytest.mark.parametrize(
     ("change", "said"),
     [
-        (lambda config: config["model"].update(x=nested(100)), f"model.x{'.x' * 31} lies deeper than 32 levels"),
-        (
-            lambda config: config.update(trainer=[1, 2]),
-            "trainer does not fit this project's setting (Merge error: list is not a subclass of TrainerConfig. value: [1, 2])",
-        ),  # fmt: skip
-        (
-            lambda config: config["trainer"].update(max_steps="many"),
-            "trainer.max_steps does not fit this project's setting (Value 'many' of type 'str' could not be converted to Integer)",
-        ),  # fmt: skip
-        (lambda config: config.update(model=[1, 2]), "model is not a mapping, as a component is"),
+        (lambda config: config["model"].update(x=nested(100)), f"whose model.x{'.x' * 31} lies deeper than 32 levels"),
+        (lambda config: config.update({f"k{n}": n for n in range(5000)}), "of more than 5000 keys and list items"),
+        (lambda config: config.update(trainer=[1, 2]), "whose trainer is a list ([1, 2]), where this project's setting is a mapping"),
+        (lambda config: config["trainer"].update(max_steps="many"), "whose trainer.max_steps is a str ('many'), where this project's setting is of type int"),
+        (lambda config: config["trainer"].update(max_steps="300"), "whose trainer.max_steps is a str ('300'), where this project's setting is of type int"),
+        (lambda config: config["checkpoint"].update(keep_best="true"), "whose checkpoint.keep_best is a str ('true'), where this project's setting is of type bool"),
+        (lambda config: config["init"].update(freeze=[1]), "whose init.freeze is a list ([1]), where this project's setting is of type list[str]"),
+        (lambda config: config.update(model=[1, 2]), "whose model is not a mapping, as a component is"),
     ],
-    ids=["deep", "list-for-mapping", "string-for-number", "list-for-component"],
-)
+    ids=["deep", "large", "list-for-mapping", "string-for-number", "number-as-string", "boolean-as-string", "number-in-list", "list-for-component"],
+)  # fmt: skip
 def test_a_config_that_is_not_this_projects_plain_data_is_refused_in_one_line(typed, written, tmp_path, change, said):
     sent = crafted(written, tmp_path / "sent.pt", change)
     with pytest.raises(RunError) as refused:
         started("resume", typed, sent, tmp_path)
-    assert str(refused.value) == f"{sent} holds a config whose {said}; pass a checkpoint this project wrote"
+    assert str(refused.value) == f"{sent} holds a config {said}; pass a checkpoint this project wrote"

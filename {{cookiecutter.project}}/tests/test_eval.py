@@ -1,6 +1,7 @@
 """eval.py: a checkpoint's model judged on the validation (and test) split, logged to an MLflow run
 of its own under the run that trained it, which it leaves as it was, on disk and in MLflow."""
 
+import functools
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import pytest
 import torch
 from conftest import losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
+from test_remembered import composed
 from test_tracking import inputs_of
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -86,6 +88,25 @@ def test_a_test_split_is_judged_beside_validation(make_cfg, client, tmp_path):
     assert judged["test/loss"] != judged["val/loss"]
     assert val_losses(client, judged["run_id"], "test/loss") == {40: judged["test/loss"]}
     assert inputs_of(client, judged["run_id"]).keys() == {"validation", "test"}
+
+
+def test_eval_by_name_computes_as_the_newest_checkpoint_trained_unless_amp_is_typed(tmp_path, tracking_uri, client):
+    """A run whose last leg trained in bf16 is judged in bf16 (its val/loss, exactly as logged at that
+    step), though the command line says nothing of amp; `amp=off` typed judges it in float32."""
+    typed = functools.partial(composed, tmp_path / "checkpoints", tracking_uri)
+    recipe.train(*typed("trainer.max_steps=20"))
+    trained = recipe.train(*typed("resume=last", "amp=bf16"))
+    logged = val_losses(client, trained["run_id"])[40]
+
+    cfg, said = typed()
+    judged = evaluate_checkpoint(cfg, "last", tmp_path / "eval", said)
+    assert (judged["step"], judged["val/loss"]) == (40, logged)
+    assert client.get_run(judged["run_id"]).data.tags["amp"] == "bfloat16"
+
+    cfg, said = typed("amp=off")
+    in_float32 = evaluate_checkpoint(cfg, "last", tmp_path / "eval", said)
+    assert client.get_run(in_float32["run_id"]).data.tags["amp"] == "off"
+    assert in_float32["val/loss"] != logged
 
 
 @pytest.mark.parametrize(

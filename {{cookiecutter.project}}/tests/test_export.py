@@ -10,7 +10,7 @@ import stat
 
 import pytest
 import torch
-from conftest import BASE, PROJECT, losses, run_cli
+from conftest import BASE, CONFIG_ROOTS, PROJECT, losses, run_cli
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from test_cli import on_a_small_disk, small_disk
@@ -131,7 +131,7 @@ def test_a_run_whose_data_folder_moved_exports_with_the_new_place_typed_and_othe
         """The config `python export.py <overrides>` composes, and what it says was typed."""
         said = (*common, *overrides)
         with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-            return compose("config", overrides=list(said)), CommandLine(said, lambda: defaults, (PROJECT / "configs",))
+            return compose("config", overrides=list(said)), CommandLine(said, lambda: defaults, CONFIG_ROOTS)
 
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
         defaults = compose("config")

@@ -145,6 +145,7 @@ class Branchy(nn.Module):
 
 def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_metrics(project):
     (project / "branchy.py").write_text(BRANCHY)  # importable from the project folder, the sender's too
+    (project / "configs" / "model").mkdir()  # an option of yours beside the engine's
     (project / "configs" / "model" / "branchy.yaml").write_text("_target_: branchy.Branchy\n")
     run = start(project, *CPU, "model=branchy", "trainer.max_steps=10", "mlflow.log_models=best")
     stdout, stderr = run.communicate(timeout=300)

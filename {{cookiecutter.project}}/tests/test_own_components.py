@@ -76,6 +76,7 @@ def with_package(project, tmp_path, name: str, source: str, configs: dict[str, s
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(source)
     for path, text in configs.items():
+        (project / "configs" / path).parent.mkdir(parents=True, exist_ok=True)  # your folder of the group
         (project / "configs" / path).write_text(text)
     return project, {
         **os.environ,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BASE, PROJECT, losses, run_cli, runs_named
+from conftest import BASE, CONFIG_ROOTS, PROJECT, losses, run_cli, runs_named
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_distributed import CPU, store
@@ -42,7 +42,7 @@ def composed(homes: Path, tracking_uri: str, *overrides: str) -> tuple:
     said = tuple(f"{key}={value}" for key, value in values.items())
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
         cfg, defaults = compose("config", overrides=list(said)), compose("config")
-    return cfg, CommandLine(said, lambda: defaults, (PROJECT / "configs",))
+    return cfg, CommandLine(said, lambda: defaults, CONFIG_ROOTS)
 
 
 def test_a_resume_by_name_takes_the_runs_settings_and_changes_only_what_it_types(typed, client, caplog, tmp_path):

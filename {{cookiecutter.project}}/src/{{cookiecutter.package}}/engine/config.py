@@ -10,6 +10,7 @@ what Hydra lets through (a key added with `+`, a value out of range).
 
 import difflib
 import functools
+import importlib.resources
 import math
 import os
 import re
@@ -166,8 +167,18 @@ def configs_folder() -> Path:
 
 
 def config_roots() -> tuple[Path, ...]:
-    """The folders this command's config is composed from, the first one's files winning."""
-    return (configs_folder(),)
+    """The folders this command's config is composed from, the first one's files winning: the
+    project's `configs/`, then what its `hydra.searchpath` adds (the engine's configs, a package
+    found where it is installed). Hydra's own configs and the schemas are none of them."""
+    roots = []
+    for source in HydraConfig.get().runtime.config_sources:
+        if source.provider != "main" and not source.provider.startswith("hydra.searchpath"):
+            continue
+        if source.schema == "file":
+            roots.append(Path(source.path))
+        elif source.schema == "pkg":
+            roots.append(Path(str(importlib.resources.files(source.path))))
+    return tuple(roots)
 
 
 def launch_time(pattern: str) -> str:

@@ -4,9 +4,11 @@ the run that trained the model, at the checkpoint's step. The training run's his
 files are not touched, nor its checkpoints (saved_model.py).
 
 The model, the data and the rest of the run's components are the checkpoint's own (the config it
-was saved with); the command line changes how they are judged (`data.batch_size`, `device`, the
-strategy and number of processes), and names the run (`name=`). The model is built as run.py builds
-it, placed, and only then given the checkpoint's weights.
+was saved with), and so is how its numbers are computed (its precision, `amp`: remembered.TRAINED),
+so that `val/loss` is the one the run logged at that step; the command line changes how they are
+judged (`data.batch_size`, `device`, the strategy and number of processes, `amp` where typed), and
+names the run (`name=`). The model is built as run.py builds it, placed, and only then given the
+checkpoint's weights.
 """
 
 import logging

@@ -22,9 +22,12 @@ where it is tracked are never the checkpoint's (OURS).
 
 import copy
 import functools
+import reprlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
@@ -36,7 +39,7 @@ from . import targets
 from .checkpoint.resume import config_at, config_of
 from .components import RUNTIME
 from .config import Config, check_resolved, config_roots
-from .errors import RunError, first_line, shown
+from .errors import RunError, shown
 
 COMPONENTS = tuple(RUNTIME)
 # Which run, and where and how this command runs it, which this command line says whatever the
@@ -56,8 +59,13 @@ OURS = {
     ("device",),
     ("strategy",),
 }
+# What a checkpoint's model is judged with, as it was validated while it trained: its components,
+# its precision (amp) and the trainer's settings (the memory layout, trainer.channels_last): an
+# evaluation by the run's name alone gives the val/loss the run logged at that step.
+TRAINED = (*COMPONENTS, "amp", "trainer")
 ABSENT = object()  # a key that a config does not have
 DEPTH = 32  # levels of nesting a stored config may have; the project's have fewer than 8
+SIZE = 5_000  # keys and list items a stored config may hold; the project's hold about 110
 
 
 @dataclass(frozen=True)
@@ -100,10 +108,11 @@ def resumed(cfg: Config, said: CommandLine | None) -> Config:
 
 def trained(cfg: Config, checkpoint: Path, said: CommandLine) -> Config:
     """The config eval.py and export.py build a checkpoint's model and data with: the components it
-    was trained with, with what `said` changed; everything else (device, strategy, MLflow) is this
-    command's. A checkpoint that does not read keeps `cfg` (the whole read then says why)."""
+    was trained with, and the settings its numbers were computed with (TRAINED), with what `said`
+    changed; everything else (device, strategy, MLflow) is this command's. A checkpoint that does
+    not read keeps `cfg` (the whole read then says why)."""
     saved = config_at(checkpoint, cfg.checkpoint.verify)
-    return cfg if saved is None else merged(cfg, *saved, said, COMPONENTS)
+    return cfg if saved is None else merged(cfg, *saved, said, TRAINED)
 
 
 def merged(cfg: Config, source: Path, saved: dict, said: CommandLine, keys: Iterable[str]) -> Config:
@@ -138,39 +147,67 @@ def check_stored(saved: dict, source: Path) -> None:
     where = f"{shown(source)} holds a config whose"
     if odd := [key for key in COMPONENTS if not isinstance(saved.get(key, {}), dict)]:
         raise RunError(f"{where} {odd[0]} is not a mapping, as a component is; pass a checkpoint this project wrote")
-    schema = OmegaConf.structured(Config)
-    for key, value in known(saved, Config).items():
-        try:
-            schema.merge_with({key: value})
-        except OmegaConfBaseException as error:
-            raise RunError(
-                f"{where} {shown(error.full_key or key)} does not fit this project's setting "
-                f"({shown(first_line(error))}); pass a checkpoint this project wrote"
-            ) from None
+    if found := misfit(saved, Config):
+        key, value, kind = found
+        expected = "a mapping" if is_dataclass(kind) else f"of type {kind.__name__ if isinstance(kind, type) else kind}"
+        raise RunError(
+            f"{where} {shown(key)} is a {type(value).__name__} ({shown(reprlib.repr(value))}), where this project's "
+            f"setting is {expected}; pass a checkpoint this project wrote"
+        )
 
 
-def known(saved: dict, schema: type) -> dict:
-    """The settings of `saved` that `schema` has: one the project has dropped since is no matter."""
-    kept = {}
-    for field in fields(schema):
-        if field.name in saved:
-            value = saved[field.name]
-            nested = is_dataclass(field.type) and isinstance(value, dict)
-            kept[field.name] = known(value, field.type) if nested else value
-    return kept
+def misfit(saved: dict, schema: type, path: tuple[str, ...] = ()) -> tuple[str, object, object] | None:
+    """The first setting of `saved` whose value is not of its type in `schema` (a key, its value and
+    the type), or None. A setting the project has dropped since is no matter."""
+    for name, kind in get_type_hints(schema).items():
+        if name not in saved:
+            continue
+        key, value = ".".join((*path, name)), saved[name]
+        if not fits(value, kind):
+            return key, value, kind
+        if is_dataclass(kind) and (found := misfit(value, kind, (*path, name))):
+            return found
+    return None
+
+
+def fits(value: object, kind: object) -> bool:
+    """Whether `value` is of the type `kind`, exactly: as OmegaConf's merge would not, which reads the
+    string "300" as the number 300 (a config this project writes holds numbers as numbers). An
+    integer is a float's value too, as YAML's `30` is `30.0`."""
+    if kind is Any:
+        return True
+    if is_dataclass(kind):  # a group of settings, whose own are checked by misfit
+        return isinstance(value, dict)
+    if get_origin(kind) in (Union, UnionType):
+        return any(fits(value, option) for option in get_args(kind))
+    if get_origin(kind) is list:
+        return isinstance(value, list) and all(fits(item, get_args(kind)[0]) for item in value)
+    if get_origin(kind) is dict:
+        return isinstance(value, dict)
+    if kind is float:
+        return type(value) in (int, float)
+    return type(value) is kind
 
 
 def check_plain(saved: dict, source: Path) -> None:
-    """Refuses, in one line, a stored config that is not plain data as this project writes it:
-    nested dicts of named keys and lists, of strings, numbers, booleans and nulls, at most DEPTH
-    levels deep, and resolved (checkpoint/manager.py saves `OmegaConf.to_container(cfg, resolve=True)`),
-    so that no `${...}` of a checkpoint's is ever resolved, `${oc.env:TOKEN}` included."""
+    """Refuses, in one line, a stored config that is not plain data as this project writes it: at
+    most SIZE keys and list items (counted before anything else reads them: OmegaConf takes about
+    0.1 ms a value, minutes for a crafted 300,000), nested dicts of named keys and lists, of
+    strings, numbers, booleans and nulls, at most DEPTH levels deep, and resolved
+    (checkpoint/manager.py saves `OmegaConf.to_container(cfg, resolve=True)`), so that no `${...}`
+    of a checkpoint's is ever resolved, `${oc.env:TOKEN}` included."""
     pending: list[tuple[tuple[str, ...], object]] = [((), saved)]
+    size = 0
     while pending:
         path, value = pending.pop()
         where = f"{shown(source)} holds a config whose {shown('.'.join(path))}"
         if len(path) > DEPTH:
             raise RunError(f"{where} lies deeper than {DEPTH} levels; pass a checkpoint this project wrote")
+        if isinstance(value, dict | list) and (size := size + len(value)) > SIZE:
+            raise RunError(
+                f"{shown(source)} holds a config of more than {SIZE} keys and list items; pass a checkpoint this "
+                f"project wrote"
+            )
         if isinstance(value, dict):
             if odd := [key for key in value if not isinstance(key, str)]:
                 raise RunError(
