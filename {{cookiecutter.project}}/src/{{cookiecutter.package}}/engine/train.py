@@ -190,6 +190,7 @@ def setup(
         "optimizer": run.optimizer,
         "scheduler": run.scheduler,
         "scaler": run.scaler,
+        "data": run.data,  # what the data was (its shards'), checked before the position in it is restored
         "position": run.position,
         "probe": run.probe,
         "tracker": run.tracker,

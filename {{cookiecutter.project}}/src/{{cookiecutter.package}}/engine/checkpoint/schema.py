@@ -31,7 +31,7 @@ PART_KEYS = {
     "rng": ("ranks",),
 }
 # Parts added to format 3 after its first checkpoints: one without them restores them fresh.
-LATER_PARTS = ("monitor", "callbacks")
+LATER_PARTS = ("monitor", "callbacks", "data")
 # Metadata a checkpoint may hold (a dict, or None): where its weights came from (fine-tuning) and
 # its optimized_metric at its step (checkpoint.keep_best).
 OPTIONAL_META = ("source", "score")
