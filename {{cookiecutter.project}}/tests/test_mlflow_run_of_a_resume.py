@@ -122,3 +122,24 @@ def test_the_current_tags_hold_the_settings_of_the_last_leg_and_the_params_those
     assert {key: run.data.params[key] for key in params} == params, "params keep the first leg's settings"
     assert (run.data.params["optimizer.lr"], run.data.params["amp.enabled"]) == ("0.003", "False")
     assert (run.data.tags["resume.1.optimizer.lr"], run.data.tags["resume.1.amp.dtype"]) == ("0.01", "bfloat16")
+
+
+def test_a_finished_checkpoint_copied_into_another_names_home_logs_no_model_into_the_run_it_names(
+    make_cfg, client, tmp_path, capfd
+):
+    """A resume with nothing left to train only logs the models its run lacks (mlflow.log_models):
+    into its own run, never into the one a copied checkpoint names."""
+    demo_home, m1_home = tmp_path / "demo", tmp_path / "m1"
+    demo = recipe.train(make_cfg("trainer.max_steps=20", f"checkpoint.dir={demo_home}"))["run_id"]
+    for path in demo_home.glob("step_*.pt"):
+        rewritten(path, m1_home / path.name, lambda state: state["config"].update(name="m1"))
+    capfd.readouterr()
+
+    said = ["name=m1", "trainer.max_steps=20", f"checkpoint.dir={m1_home}", "resume=last", "mlflow.log_models=best"]
+    recipe.train(make_cfg(*said))
+    assert lines_naming(capfd.readouterr().err, demo) == [
+        f"the checkpoint names MLflow run {demo}, the run 'demo' in experiment {make_cfg().mlflow.experiment_name!r}, "
+        "not this run ('m1'): that run is left as it is, and no model is logged to it"
+    ]
+    experiment = client.get_run(demo).info.experiment_id
+    assert client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{demo}'") == []

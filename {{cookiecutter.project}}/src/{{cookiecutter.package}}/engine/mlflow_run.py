@@ -185,16 +185,23 @@ def open_run(cfg: MlflowConfig, asked: dict) -> RunOpener | None:
         return None
 
 
-def attach_run(cfg: MlflowConfig, run_id: str) -> RunOpener | None:
-    """The run `run_id` as it is, for a resume with nothing left to train: not marked RUNNING, no
-    resume counted, nothing tagged; only the models it lacks are logged to it (logged_models.py).
-    None, after a one-line warning, when the store fails or does not have it."""
+def attach_run(cfg: MlflowConfig, run_id: str, name: str) -> RunOpener | None:
+    """The run `run_id` as it is, for a resume of `name` with nothing left to train: not marked
+    RUNNING, no resume counted, nothing tagged; only the models it lacks are logged to it
+    (logged_models.py). None, after a one-line warning, when the store fails or does not have it,
+    or it is not this run's (a checkpoint copied from another run's home)."""
     try:
         opener = RunOpener(connect(cfg.tracking_uri), cfg)
-        opener.client.get_run(run_id)
+        whose = opener._whose_run(opener.client.get_run(run_id), name)
     except Exception as error:
         log.warning(
             f"MLflow at {cfg.tracking_uri} cannot give run {run_id} ({first_line(error)}); its models are not logged"
+        )
+        return None
+    if whose is not None:
+        log.warning(
+            f"the checkpoint names MLflow run {run_id}, {whose}, not this run ({shown(name)!r}): that run is left as "
+            f"it is, and no model is logged to it"
         )
         return None
     opener.run_id = run_id

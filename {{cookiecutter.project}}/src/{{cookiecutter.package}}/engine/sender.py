@@ -210,7 +210,7 @@ def drain() -> None:
         return
     asked = first.get("open") or first["attach"]
     cfg = MlflowConfig(**asked["mlflow"])
-    opened = open_run(cfg, asked) if "open" in first else attach_run(cfg, asked["run_id"])
+    opened = open_run(cfg, asked) if "open" in first else attach_run(cfg, asked["run_id"], asked["name"])
 
     def say(value: object) -> None:
         """A line to the trainer, which reads each as it comes; once it is gone (killed, or done

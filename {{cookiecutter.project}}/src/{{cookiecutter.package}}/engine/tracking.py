@@ -150,15 +150,21 @@ class Tracker:
         }
         self._sender.send({"open": asked})
 
-    def attach(self) -> None:
+    def attach(self, name: str) -> None:
         """For a resume with nothing left to train: asks the sender for the run a restored checkpoint
-        was written by, left as it is but for the models it lacks (log_models; a sender that died as it
-        logged them). Only where mlflow.log_models asks for models; else the store is not opened."""
+        was written by, where that is this run (`name`'s), left as it is but for the models it lacks
+        (log_models; a sender that died as it logged them). Only where mlflow.log_models asks for
+        models; else the store is not opened."""
         if self._cfg.enabled and self._main and self._cfg.log_models != "none" and self._resumed_run_id:
             self._sender = _take_sender()
             self._sender.spill_dir = self._spill_dir
             settings = OmegaConf.to_container(self._cfg, resolve=True)
-            asked = {"mlflow": settings, "spill_dir": str(self._spill_dir), "run_id": self._resumed_run_id}
+            asked = {
+                "mlflow": settings,
+                "spill_dir": str(self._spill_dir),
+                "run_id": self._resumed_run_id,
+                "name": name,
+            }
             self._sender.send({"attach": asked})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

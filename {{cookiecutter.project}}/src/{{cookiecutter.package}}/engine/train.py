@@ -364,7 +364,7 @@ def nothing_to_train(run: Run, checkpoints: Checkpointer) -> dict:
         f"{shown(run.cfg.name)} {done} at step {run.step} already: nothing to train; raise trainer.{more} to continue"
     )
     val = evaluate(run, run.val_loader)
-    run.tracker.attach()
+    run.tracker.attach(run.cfg.name)
     log_models(run, checkpoints)
     run.tracker.finish(None)
     return {**val, "step": run.step, "run_id": run.world.broadcast(run.tracker.state_dict()["run_id"])}
