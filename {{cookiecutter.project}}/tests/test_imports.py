@@ -6,6 +6,7 @@ of them (configs/ names them by `_target_`) and of which they need only its publ
 
 import ast
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,3 +136,28 @@ def test_every_module_of_the_package_reads_in_one_sitting():
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert not long, f"modules over 400 lines: {long}"
+
+
+@pytest.mark.parametrize("script", ["run.py", "eval.py"])
+def test_a_command_that_tracks_imports_neither_torch_nor_mlflow_before_its_mlflow_sender_starts(script):
+    """The sender (tracking.start_sender, the script's first act) imports MLflow in a process of its
+    own while the script imports torch, seconds each: whatever the script imports before it delays both."""
+    imported = "import runpy, sys; runpy.run_path(sys.argv[1]); print(*sorted({'torch', 'mlflow'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", imported, script], cwd=PACKAGE.parents[1], capture_output=True, text=True, check=False
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, ""), result.stderr
+
+
+def test_a_run_imports_nothing_of_what_it_does_without(project):
+    """MLflow is its sender's (it never imports it), matplotlib a callback's that draws, torchmetrics
+    and scipy libraries the ready metrics do without, and sklearn, pandas the digits' file does not need."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "run.py", "trainer.max_steps=1"],
+        cwd=project, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    timed = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rpartition("|")[2].strip() for line in timed}
+    assert {"torch", "hydra"} <= imported
+    assert not {"mlflow", "matplotlib", "torchmetrics", "scipy", "sklearn", "pandas"} & imported

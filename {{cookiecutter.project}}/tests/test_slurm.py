@@ -29,7 +29,6 @@ def readme_sweep(partition: str, *more: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def slurm():
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")
     if (why := unavailable()) is not None:
         pytest.skip(f"no SLURM cluster here: {why}")
     cluster = Cluster()

@@ -1,6 +1,8 @@
 """Multirun sweeps: a parent MLflow run with a child per job named by its overrides, a summary that
 names the best job, jobs that fail alone, and sweeps that resume job by job."""
 
+import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -11,12 +13,13 @@ from conftest import PROJECT, copy_project, run_cli, start
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 from test_compare import rows
 
 from {{cookiecutter.package}}.engine.compare import compare
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.provenance import run_name, titled
-from {{cookiecutter.package}}.engine.sweeps import RESULT_FILE, Job, figure, named, summary_table
+from {{cookiecutter.package}}.engine.sweeps import RESULT_FILE, Job, dropped, figure, named, summary_table, sweep_key
 
 pytestmark = pytest.mark.slow
 
@@ -205,6 +208,71 @@ def test_a_finished_sweep_run_again_with_more_steps_continues_each_job_in_its_ow
         )
         assert child.data.tags["resumes"] == "1" and child.data.tags["resume.1.trainer.max_steps"] == "50"
         assert f"| {name} | FINISHED | {figure(child.data.metrics['train/loss'])} " in table  # the summary at step 50
+
+
+def test_a_grid_grown_with_resume_auto_continues_its_sweep_run_and_one_dropping_values_or_keys_is_a_new_one(project):
+    sweep, lrs = ["-m", "trainer.max_steps=20", "trainer.log_every_n_steps=1"], ["0.001", "0.003", "0.01"]
+    first = run_cli(project, *sweep, "optimizer.lr=1e-3,3e-3", timeout=600)
+    assert first.returncode == 0, first.stderr
+    _, first_parent, started = sweep_runs(project)
+    homes = {job: project / "checkpoints" / "demo" / job for job in started}
+    saved = {job: sorted((path.name, path.read_bytes()) for path in home.glob("step_*")) for job, home in homes.items()}
+
+    grown = run_cli(project, *sweep, "optimizer.lr=1e-3,3e-3,1e-2", "resume=auto", timeout=600)
+    assert grown.returncode == 0, grown.stderr
+    client, parent, children = sweep_runs(project)  # one sweep run, not a second one beside an empty first
+    assert parent.info.run_id == first_parent.info.run_id and parent.info.status == "FINISHED"
+    said = f"continuing the sweep's MLflow run {parent.info.run_id} ({parent.info.run_name}), its grid grown by "
+    assert said + "optimizer.lr=0.01" in grown.stdout + grown.stderr
+    assert sorted(children) == [f"optimizer.lr={lr}" for lr in lrs]
+    assert json.loads(parent.data.tags["sweep.grid"]) == {"optimizer.lr": lrs}
+    for job, run in started.items():  # finished at max_steps: continued, with nothing to train
+        assert children[job].info.run_id == run.info.run_id and "resumes" not in children[job].data.tags
+        logged = client.get_metric_history(run.info.run_id, "train/loss")
+        assert [metric.step for metric in logged] == list(range(1, 21))  # each step once: not trained again
+        assert sorted((path.name, path.read_bytes()) for path in homes[job].glob("step_*")) == saved[job]
+    table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
+    assert all(re.search(rf"^\| optimizer.lr={lr} +\| FINISHED ", table, re.MULTILINE) for lr in lrs), table
+    best = min(children.values(), key=lambda child: child.data.metrics["val/loss"])
+    assert parent.data.metrics["best/val/loss"] == best.data.metrics["val/loss"]
+    assert (parent.data.tags["best.job"], parent.data.tags["best.run_id"]) == (best.info.run_name, best.info.run_id)
+    assert table.endswith(f"best by val/loss (min): {best.info.run_name}, {figure(best.data.metrics['val/loss'])}")
+
+    shrunk = run_cli(project, *sweep, "optimizer.lr=1e-3,3e-3", "resume=auto", timeout=600)
+    assert shrunk.returncode == 0, shrunk.stderr
+    assert (
+        f"resume=auto: this line drops optimizer.lr=0.01 of the sweep MLflow run {parent.info.run_id} "
+        f"({parent.info.run_name}) swept: a new sweep run holds its jobs; add them back to continue that one"
+    ) in (shrunk.stdout + shrunk.stderr).splitlines()
+    alone = run_cli(project, *sweep, "optimizer.lr=1e-3", "resume=auto", timeout=600)  # sweeps lr no more
+    assert alone.returncode == 0, alone.stderr
+    assert (
+        "resume=auto: no sweep in MLflow has this line's settings (name=demo optimizer.lr=1e-3): a new sweep run "
+        "holds its jobs"
+    ) in (alone.stdout + alone.stderr).splitlines()
+    runs = client.search_runs([parent.info.experiment_id], "tags.`sweep.key` != ''")
+    assert len(runs) == 3 and client.get_run(parent.info.run_id).data.tags == parent.data.tags  # the first untouched
+
+
+@pytest.mark.daily
+def test_a_sweep_is_named_by_the_keys_of_its_grid_and_its_other_settings_and_a_grid_extends_another_by_values():
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        continuing = list(compose("config", return_hydra_config=True).hydra.job.config.override_dirname.exclude_keys)
+
+    def key_of(*overrides: str, name: str = "demo") -> tuple[str, dict[str, list[str]]]:
+        """The key and grid of `python run.py -m <overrides>`, as the sweep's callback reads its config."""
+        job = {"config": {"override_dirname": {"exclude_keys": continuing}}}
+        hydra = {"overrides": {"task": list(overrides), "hydra": []}, "job": job}
+        return sweep_key(OmegaConf.create({"name": name, "hydra": hydra}))
+
+    key, grid = key_of("optimizer.lr=1e-3,3e-3", "optimizer=sgd", "trainer.max_steps=30")
+    assert (key, grid) == ("name=demo optimizer.lr=<grid> optimizer=sgd", {"optimizer.lr": ["0.001", "0.003"]})
+    grown_key, grown = key_of("trainer.max_steps=60", "optimizer=sgd", "optimizer.lr=choice(1e-2,3e-3,1e-3)")
+    assert grown_key == key and dropped(grid, grown) == [] and dropped(grown, grid) == ["optimizer.lr=0.01"]
+    assert key_of("optimizer.lr=1e-3", "optimizer=sgd")[0] != key  # one value: no grid, another sweep
+    assert key_of("optimizer.lr=1e-3,3e-3", "optimizer=adamw")[0] != key
+    assert key_of("optimizer.lr=1e-3,3e-3", "optimizer=sgd", "seed=range(0,2)")[0] != key
+    assert key_of("optimizer.lr=1e-3,3e-3", "optimizer=sgd", name="other")[0] != key
 
 
 def test_a_job_is_named_by_what_it_trains_unless_the_sweep_sweeps_a_setting_that_continues_it():

@@ -18,6 +18,8 @@ as a sweep's summary writes them (sweeps.figure). The store and the homes are th
 Nothing is written: no checkpoint is claimed or read past its checksum and pickle, and MLflow is only read.
 """
 
+import atexit
+import gc
 import math
 import sys
 from dataclasses import dataclass
@@ -65,6 +67,9 @@ def main() -> None:
     runs = [argument for argument in sys.argv[1:] if "=" not in argument]
     if len(runs) != 2:
         raise SystemExit(f"usage: python -m {__package__}.compare <run> <run> [key=value ...] (by name or MLflow id)")
+    # The last thing at exit, as run.py's: the interpreter's shutdown need not search torch's and
+    # MLflow's objects for garbage (0.7 s of a 6 s compare on 2 cores).
+    atexit.register(gc.freeze)
     overrides = [argument for argument in sys.argv[1:] if "=" in argument]
     print(reported(lambda: compare(project_config(overrides), *runs)))
 

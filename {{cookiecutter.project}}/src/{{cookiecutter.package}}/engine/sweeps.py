@@ -10,7 +10,9 @@ A job fails alone: its error is recorded and the other jobs run. Each job's chec
 `checkpoint.dir/<its overrides>`, less the settings a continuation changes (configs/config.yaml lists
 them: trainer.max_steps, cadences, device, ...), so the same sweep run again with `resume=auto`, and
 a larger `trainer.max_steps` if it likes, continues every job that had started, in its own MLflow
-run, and starts the others; the sweep's own MLflow run takes the new summary.
+run, and starts the others; the sweep's own MLflow run takes the new summary. So does a sweep whose
+grid has grown (`optimizer.lr=1e-3,3e-3` then `optimizer.lr=1e-3,3e-3,1e-2`): its new jobs join
+the same sweep run; one that drops values, or sweeps other settings, is a sweep of its own.
 """
 
 import atexit
@@ -31,13 +33,13 @@ from typing import TYPE_CHECKING
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
+from hydra.core.override_parser.types import Override, ValueType
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.files import read_regular, write_text
-from .errors import RunError, first_line
+from .errors import RunError, first_line, listed
 from .preemption import Stopped
 from .tracking import check_tracking_uri
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 PARENT_RUN_FILE = "mlflow_parent_run_id"
 SWEPT_FILE = "swept_keys.json"  # settings that continue a job, but that this sweep sweeps: they name its jobs
 RESULT_FILE = "job_result.json"
+GRID = "<grid>"  # stands in a sweep's key for the values its grid lists, which its run's `sweep.grid` tag holds
 # The table's columns; every val/<metric> the jobs report, then their throughput over the whole
 # job in the task's unit (train/mean_samples_per_s, train/mean_tokens_per_s), go between these two groups.
 FIRST_COLUMNS = ("job", "status", "train/loss")
@@ -169,17 +172,33 @@ def swept_keys(config: DictConfig) -> tuple[list[Override], list[str]]:
     return parsed, sorted({override.key_or_group for override in parsed if override.is_sweep_override()} | set(params))
 
 
-def sweep_key(config: DictConfig) -> str:
+def sweep_key(config: DictConfig) -> tuple[str, dict[str, list[str]]]:
     """What names a sweep, so that the same sweep continued (`resume=auto`, a larger
-    `trainer.max_steps`) finds its MLflow run again: its `name`, and its sweep line and sweeper
-    overrides, less the settings that continue a job."""
+    `trainer.max_steps`, more values in its grid) finds its MLflow run again: its `name`, and its
+    sweep line and sweeper overrides, less the settings that continue a job, each list or range of
+    values by its key alone (`optimizer.lr=<grid>`); and those values, key by key (its grid). A sweep
+    that Hydra expands otherwise (`glob(...)`, a search's `interval(...)`) is named as typed."""
     parsed, swept = swept_keys(config)
     continuing = set(config.hydra.job.config.override_dirname.exclude_keys) - set(swept)
-    task = _naming(parsed, continuing)
+    grid, task = {}, []
+    for override in parsed:
+        if override.key_or_group in continuing:
+            continue
+        if override.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP, ValueType.RANGE_SWEEP):
+            grid[override.key_or_group] = sorted(set(override.sweep_string_iterator()))
+            task.append(f"{override.input_line.split('=', 1)[0]}={GRID}")
+        else:
+            task.append(override.input_line)
     sweeper = sorted(
         line for line in config.hydra.overrides.hydra if line.startswith(("hydra/sweeper", "hydra.sweeper."))
     )
-    return " ".join([f"name={config.name}", *task, *sweeper])
+    return " ".join([f"name={config.name}", *sorted(task), *sweeper]), grid
+
+
+def dropped(before: dict[str, list[str]], now: dict[str, list[str]]) -> list[str]:
+    """The values of the grid `before` that the grid `now` lacks, as `key=value`: none where `now`
+    extends `before` (the same keys, each with the values it had and maybe more)."""
+    return [f"{key}={value}" for key, values in before.items() for value in values if value not in now.get(key, ())]
 
 
 class SweepCallback(Callback):
@@ -223,15 +242,16 @@ class SweepCallback(Callback):
         try:
             self._client = connect(config.mlflow.tracking_uri)
             experiment = experiment_id(self._client, config.mlflow)
-            key = sweep_key(config)
-            run = self._continued(experiment, key) if config.resume is not None else None
+            key, grid = sweep_key(config)
+            tags = {"sweep.dir": str(sweep_dir), "sweep.key": key, "sweep.grid": json.dumps(grid)}
+            asked = f"resume={config.resume}"
+            run = self._continued(experiment, key, grid, asked) if config.resume is not None else None
             if run is None:
-                tags = {"sweep.dir": str(sweep_dir), "sweep.key": key}
                 run = self._client.create_run(experiment, run_name=f"sweep {sweep_dir.name}", tags=tags)
             else:
                 self._client.update_run(run.info.run_id, status="RUNNING")
-                self._client.set_tag(run.info.run_id, "sweep.dir", str(sweep_dir))
-                log.info(f"continuing the sweep's MLflow run {run.info.run_id} ({run.info.run_name})")
+                for tag, value in tags.items():
+                    self._client.set_tag(run.info.run_id, tag, value)
         except Exception as error:  # the jobs can still run, and each tries MLflow itself
             log.warning(f"MLflow failed ({first_line(error)}); the sweep runs without a parent run")
             return
@@ -241,10 +261,12 @@ class SweepCallback(Callback):
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._stop)
 
-    def _continued(self, experiment: str, key: str) -> "Run | None":
-        """The newest MLflow run of the sweep `key` names: its jobs' runs are its children, so a
-        continued sweep reports to it rather than leave it with a stale summary. (MLflow's filter
-        has no escapes: a key with both quotes in it gets a new run.)"""
+    def _continued(self, experiment: str, key: str, grid: dict[str, list[str]], asked: str) -> "Run | None":
+        """The newest MLflow run of the sweep `key` names, where `grid` holds every value its grid
+        held: its jobs' runs are its children, so a continued sweep, its grid grown or not, reports to
+        it rather than leave it with a stale summary. A grid that drops some of them, or a sweep of
+        other settings, is another sweep: None, said in one line. (MLflow's filter has no escapes: a
+        key with both quotes in it gets a new run.)"""
         quote = next((quote for quote in "\"'" if quote not in key), None)
         if quote is None:
             return None
@@ -254,7 +276,21 @@ class SweepCallback(Callback):
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )
-        return runs[0] if runs else None
+        if not runs:
+            log.info(f"{asked}: no sweep in MLflow has this line's settings ({key}): a new sweep run holds its jobs")
+            return None
+        run = runs[0]
+        before = json.loads(run.data.tags.get("sweep.grid", "{}"))
+        if lacking := dropped(before, grid):
+            log.info(
+                f"{asked}: this line drops {listed(lacking)} of the sweep MLflow run {run.info.run_id} "
+                f"({run.info.run_name}) swept: a new sweep run holds its jobs; add them back to continue that one"
+            )
+            return None
+        added = dropped(grid, before)
+        more = f", its grid grown by {listed(added)}" if added else ""
+        log.info(f"continuing the sweep's MLflow run {run.info.run_id} ({run.info.run_name}){more}")
+        return run
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
