@@ -214,7 +214,6 @@ def copied(src: Path) -> tuple[Path, Path]:
     return package, marker
 
 
-@pytest.mark.daily
 def test_a_class_the_package_defines_passes_and_one_a_module_of_it_imports_does_not(tmp_path, monkeypatch):
     """Decided from the package's source, nothing imported: the ready components are the engine's,
     and pass only where configs/ names them (`models.MLP` at `model._target_`), by the engine's path

@@ -21,7 +21,25 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("choice", list(itertools.product(*GROUPS.values())), ids="-".join)
+# Each pair of options of any two groups, in 16 combinations (device x amp whole, the two groups that
+# interact, and the optimizer and scheduler pairs across them as a Latin square): the daily loop's.
+# The rest of the 96 are for `pytest --all`.
+LATER = list(itertools.product(GROUPS["optimizer"], GROUPS["scheduler"]))
+PAIRWISE = {
+    (device, amp, *LATER[(row + column) % len(LATER)])
+    for row, device in enumerate(GROUPS["device"])
+    for column, amp in enumerate(GROUPS["amp"])
+}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        pytest.param(choice, marks=() if choice in PAIRWISE else pytest.mark.slow)
+        for choice in itertools.product(*GROUPS.values())
+    ],
+    ids="-".join,
+)
 def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
     cfg = make_cfg(*(f"{group}={option}" for group, option in zip(GROUPS, choice, strict=True)))
     assert cfg.device.type == choice[0]
@@ -123,6 +141,13 @@ def test_an_interpolation_that_names_nothing_is_one_line_naming_the_setting(make
     assert str(raised.value) == (
         "scheduler.total_steps: Interpolation key 'trainer.max_stepz' not found; fix the interpolation it holds"
     )
+
+
+@pytest.mark.parametrize("experiment", ["token_gpt", "arrow_digits"])
+def test_a_setting_the_configs_leave_for_the_command_line_is_named_in_one_line_when_missing(make_cfg, experiment):
+    with pytest.raises(RunError) as raised:
+        check_values(make_cfg(f"experiment={experiment}"))
+    assert str(raised.value) == "data.dir has no value; give it one: data.dir=<value>"
 
 
 def test_an_index_on_the_cpu_is_refused_but_auto_may_resolve_to_the_cpu_with_one(make_cfg):

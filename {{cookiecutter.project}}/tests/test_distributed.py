@@ -16,7 +16,7 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, wait_for_a_save, wait_for_exit
+from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, start, wait_for_a_save, wait_for_exit
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
 
@@ -236,17 +236,13 @@ def test_ddp_trains_as_one_process_would_on_the_same_global_batch(project):
     assert ddp.data.metrics["val/accuracy"] == pytest.approx(one.data.metrics["val/accuracy"], abs=0.01)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy, save_gate):
-    """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
-    steps = ["trainer.max_steps=70", "checkpoint.every_n_steps=7"]
-    finished(torchrun(project, "name=unbroken", *steps, strategy=strategy))
-
-    # Held at its first save (step 7; training goes no further than its next save, which waits for
-    # this one), the job is stopped, torchrun told, and only continued once torchrun has passed the
-    # SIGTERM on to both ranks: the stop lands before step 70 however slow this machine is.
-    gate = save_gate()
-    process = torchrun(project, "name=broken", *steps, strategy=strategy, env=gate.env)
+def stopped_by_sigterm(project: Path, gate, *overrides: str, strategy: str = "ddp", env: dict | None = None) -> dict:
+    """A torchrun job of `overrides` (its name among them), stopped by a SIGTERM to torchrun: held at
+    its first save (training goes no further than its next save, which waits for this one), the job
+    is stopped, torchrun told, and only continued once torchrun has passed the SIGTERM on to both
+    ranks, so the stop lands at the second save at the latest however slow this machine is. Returns
+    the checkpoint it stopped with, checked to be the one its stop line names."""
+    process = torchrun(project, *overrides, strategy=strategy, env={**gate.env, **(env or {})})
     gate.wait(process)
     workers = ranks(process).values()
     stop(workers)
@@ -260,8 +256,19 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
     gate.release()
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
-    saved = newest_valid(project / "checkpoints" / "broken")[1]
-    assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr and saved["step"] < 70
+    name = next(override.split("=", 1)[1] for override in overrides if override.startswith("name="))
+    saved = newest_valid(project / "checkpoints" / name)[1]
+    assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr
+    return saved
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(project, strategy, save_gate):
+    """22 global batches an epoch: the stop lands mid-epoch, and the resume must see the rest of it."""
+    steps = ["trainer.max_steps=70", "checkpoint.every_n_steps=7"]
+    finished(torchrun(project, "name=unbroken", *steps, strategy=strategy))
+    saved = stopped_by_sigterm(project, save_gate(), "name=broken", *steps, strategy=strategy)
+    assert saved["step"] < 70
     assert saved["position"]["sample"] % 64 == 0 and len(saved["rng"]["ranks"]) == 2
     resumed = finished(torchrun(project, "name=broken", *steps, "resume=last", strategy=strategy))
     assert f"resumed at step {saved['step']} on cpu" in resumed and "(ok)" in resumed
@@ -270,6 +277,74 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
     broken, unbroken = only_run(client, "broken"), only_run(client, "unbroken")
     assert broken.info.status == "FINISHED" and broken.data.tags["resumes"] == "1"
     assert losses(client, broken.info.run_id) == losses(client, unbroken.info.run_id)  # each step once, equal
+
+
+NUMBERED = """
+import os, pathlib, torch
+from torch.utils.data import Dataset
+from {{cookiecutter.package}}.engine.data import Data
+from {{cookiecutter.package}}.engine.ready.tasks import Supervised
+
+
+class Numbered(Dataset):
+    \"\"\"Sample i: an 8x8 image of the number i.\"\"\"
+
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return torch.full((1, 8, 8), float(index)), index % 10
+
+
+def numbered(**_):
+    return Data(Numbered(200), Numbered(32), input_shape=(1, 8, 8), num_classes=10)
+
+
+class Recording(Supervised):
+    \"\"\"Writes the samples of each batch it trains on, one line a batch, to $IDS.<rank>.\"\"\"
+
+    def split(self, batch):
+        inputs, targets = super().split(batch)
+        if torch.is_grad_enabled():  # training; validation and the continuity probe take no gradients
+            with open(f"{os.environ['IDS']}.{os.environ.get('RANK', '0')}", "a") as ids:
+                ids.write(" ".join(str(int(number)) for number in inputs[:, 0, 0, 0].tolist()) + "\\n")
+        return inputs, targets
+"""
+
+
+def trained_samples(prefix: Path, ranks: int, batches: int, steps: int) -> list[list[int]]:
+    """The samples of each of the first `steps` steps, as `Recording` wrote them: a step is `batches`
+    lines of each rank's file."""
+    lines = [Path(f"{prefix}.{rank}").read_text().splitlines() for rank in range(ranks)]
+    taken = [[line for own in lines for line in own[step * batches : (step + 1) * batches]] for step in range(steps)]
+    return [sorted(int(number) for line in step for number in line.split()) for step in taken]
+
+
+def test_stopped_with_two_processes_and_resumed_with_one_and_two_workers_each_step_trains_on_the_same_samples(
+    project, save_gate
+):
+    """200 samples, 16 a step: 12 steps an epoch, and the run goes into its third. The stopped job
+    trains 8 a process; the one process that continues it reads 8 a batch twice a step, from two
+    workers. Step after step, the same samples as a job of two processes that never stopped."""
+    (project / "numbered.py").write_text(NUMBERED)
+    data = ["data._target_=numbered.numbered", "task._target_=numbered.Recording", "data.batch_size=8"]
+    steps = ["trainer.max_steps=30", "checkpoint.every_n_steps=5", *data]
+    finished(torchrun(project, "name=unbroken", *steps, env={**os.environ, "IDS": str(project / "unbroken")}))
+    unbroken = trained_samples(project / "unbroken", ranks=2, batches=1, steps=30)
+    assert sorted(sum(unbroken[:12], [])) == sorted(set(sum(unbroken[:12], [])))  # an epoch: no sample twice
+
+    saved = stopped_by_sigterm(project, save_gate(), "name=broken", *steps, env={"IDS": str(project / "first")})
+    stopped = saved["step"]
+    assert stopped < 30
+    one = ["trainer.grad_accum_steps=2", "data.num_workers=2", "resume=last"]
+    continued = finished(start(project, "name=broken", *steps, *one, env={**os.environ, "IDS": str(project / "then")}))
+    assert f"resumed at step {stopped} on cpu" in continued
+    first = trained_samples(project / "first", ranks=2, batches=1, steps=stopped)
+    then = trained_samples(project / "then", ranks=1, batches=2, steps=30 - stopped)
+    assert first + then == unbroken
 
 
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(project):
@@ -335,12 +410,12 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     assert not any(path.suffix == ".tmp" for path in home.iterdir())
 
 
-def test_a_rank_killed_twenty_times_under_max_restarts_resumes_each_time_and_finishes(project, save_gate):
+def test_a_rank_killed_eight_times_under_max_restarts_resumes_each_time_and_finishes(project, save_gate):
     """Each attempt torchrun restarts joins a process group of its own: the workers of every attempt
     share torchrun's store, and an attempt that read the keys of the one before hung in
     init_process_group or failed to connect (pytorch/pytorch#135712). Rank 0 is killed at the first
     save of each attempt, so exactly `kills` restarts must suffice."""
-    kills, every = 20, 2
+    kills, every = 8, 2
     gate = save_gate(each=True)
     settings = [f"checkpoint.every_n_steps={every}", f"trainer.max_steps={every * (kills + 1)}", "resume=auto"]
     with open(project / "torchrun.log", "w+") as log:
@@ -433,7 +508,7 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
     assert len(said) == 1 and said[0].startswith("error: another process of this job is gone ("), stderr
     assert said[0].endswith(
         "), so this one stops too; the reason is in the first lines of the process that stopped; then continue "
-        "the job from its newest checkpoint with resume=last"
+        "the job from its newest checkpoint with name=demo resume=last"
     )
     assert newest_valid(home) is not None
 

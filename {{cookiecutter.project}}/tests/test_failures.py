@@ -66,7 +66,7 @@ def test_a_diverging_run_stops_before_saving_and_keeps_every_good_checkpoint(mak
     assert message.startswith("the loss is nan at step 1") and "\n" not in message
     assert (
         f"the newest checkpoint on disk is {checkpoint_dir / 'step_00000015.pt'}; continue from it with "
-        "resume=last and a lower optimizer.lr" in message
+        "name=demo resume=last and a lower optimizer.lr" in message
     )
     assert saved_files(checkpoint_dir) == good, "no NaN checkpoint written, none of the good ones pruned"
     assert client.get_run(first["run_id"]).info.status == "FAILED"
@@ -212,7 +212,7 @@ def test_a_final_save_onto_a_full_disk_fails_the_run_naming_the_newest_checkpoin
     assert str(raised.value) == (
         f"could not write {checkpoint_dir / 'step_00000015.pt'} (No space left on device), so step 15 is not "
         f"saved; the newest checkpoint on disk is {checkpoint_dir / 'step_00000005.pt'}; free space or fix the "
-        f"folder, then continue from it with resume=last"
+        f"folder, then continue from it with name=demo resume=last"
     )
     run_id = newest_valid(checkpoint_dir)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import time
@@ -69,7 +70,7 @@ def test_a_callback_state_no_checkpoint_can_hold_stops_the_run_at_that_save_in_o
     assert str(raised.value).startswith(f"callbacks.keeper (test_hook_limits.Keeper) holds {said}")
     assert str(raised.value).endswith(
         f"; the newest checkpoint on disk is {path_of(checkpoint_dir, 10)}; fix it, then continue from it with "
-        f"resume=last"
+        f"name=demo resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]  # nothing of step 20
     if holds == "path":
@@ -123,7 +124,7 @@ def test_a_callback_state_that_contains_itself_or_nests_too_deep_stops_the_run_a
     assert str(raised.value) == (
         f"callbacks.shaped (test_hook_limits.Shaped) holds a state {said}, which a checkpoint does not take, so "
         f"nothing is saved; {instead}; the newest checkpoint on disk is {path_of(checkpoint_dir, 10)}; fix it, then "
-        f"continue from it with resume=last"
+        f"continue from it with name=demo resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]
 
@@ -175,7 +176,7 @@ def test_a_hook_past_trainer_hook_timeout_s_stops_the_run_in_one_line_after_the_
     assert str(raised.value) == (
         "callbacks.stuck (test_hook_limits.Stuck) did not return from on_validation_end within "
         "trainer.hook_timeout_s=0.5 s (raise it if the hook needs longer); the newest checkpoint on disk is "
-        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with resume=last"
+        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with name=demo resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]
     result = recipe.train(make_cfg(*SETTINGS, "trainer.max_steps=30", "resume=last"))
@@ -219,7 +220,7 @@ def test_a_hook_that_cancels_its_timer_takes_sigalrm_over_or_swallows_its_interr
     assert str(raised.value) == (
         "callbacks.defiant (test_hook_limits.Defiant) did not return from on_validation_end within "
         "trainer.hook_timeout_s=0.5 s (raise it if the hook needs longer); the newest checkpoint on disk is "
-        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with resume=last"
+        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with name=defiant-{how} resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]
     (run,) = runs_named(client, f"defiant-{how}")
@@ -276,7 +277,7 @@ def test_a_stop_interrupts_a_held_hook_and_saves_unless_a_callback_in_it_keeps_s
     else:
         said = f"saved {path_of(checkpoint_dir, 20)}"
         assert f"{interrupted}; the run's later hooks are skipped" in caplog.messages
-    assert f"stopped at step 20 by SIGTERM; {said}; continue with resume=last" in caplog.messages
+    assert f"stopped at step 20 by SIGTERM; {said}; continue with name=demo resume=last" in caplog.messages
     assert sorted(step for step, _ in steps(checkpoint_dir)) == ([10] if keeps else [10, 20])
     result = recipe.train(make_cfg(*SETTINGS, "resume=last"))
     assert result["step"] == 40 and result["continuity"] == "ok"
@@ -365,8 +366,26 @@ def test_sigterm_reaches_a_run_held_in_a_hook_which_stops_saved_without_a_traceb
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stdout + stderr
     lines = (stdout + stderr).splitlines()
-    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with resume=last" in lines
+    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name=demo resume=last" in lines
     assert load(path_of(home, 20)).step == 20
+
+
+def test_the_stop_line_names_the_run_and_its_words_typed_as_printed_continue_that_run(project, save_gate):
+    """A run named w-int, stopped once its step 10 is saved: the words the stop line gives, after
+    `python run.py`, continue w-int from its checkpoint, not the configs' default run."""
+    gate = save_gate(match="step_00000010")
+    process = start(project, *SETTINGS, "name=w-int", "trainer.max_steps=30", env=gate.env)
+    gate.wait(process)
+    process.send_signal(signal.SIGTERM)
+    gate.release()
+    stdout, stderr = process.communicate(timeout=120)
+    said = next(line for line in (stdout + stderr).splitlines() if line.startswith("stopped at step "))
+    assert said.endswith("; continue with name=w-int resume=last"), said
+    continued = start(project, *shlex.split(said.rpartition("continue with ")[2]))
+    stdout, stderr = continued.communicate(timeout=120)
+    assert continued.returncode == 0, stderr
+    assert max(step for step, _ in steps(project / "checkpoints" / "w-int")) == 30
+    assert "nothing to train" not in stdout + stderr and not (project / "checkpoints" / "demo").exists()
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_newest_checkpoint(project, save_gate):
@@ -382,7 +401,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_newest_checkpoi
     assert process.returncode == 128 + signal.SIGINT, stderr
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr
     assert stdout.splitlines()[-1] == (
-        "stopped at once by a second Ctrl-C: nothing more is saved; continue from it with resume=last"
+        "stopped at once by a second Ctrl-C: nothing more is saved; continue from it with name=demo resume=last"
     )
     assert [step for step, _ in steps(home)] == [10] and not list(home.glob("*.tmp"))
     assert load(path_of(home, 10)).step == 10
@@ -396,7 +415,7 @@ def test_under_ddp_a_stop_that_reaches_one_rank_held_in_a_hook_stops_both_at_tha
         stdout, stderr = process.communicate(timeout=120)
     assert "exitcode  : 143" in stdout + stderr  # torchrun's report of the ranks' exit
     lines = (stdout + stderr).splitlines()
-    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with resume=last" in lines
+    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name=demo resume=last" in lines
     assert len(load(path_of(home, 20)).part("rng")["ranks"]) == 2
 
 
@@ -446,7 +465,7 @@ def test_a_hook_that_swallows_every_interrupt_or_takes_every_signal_over_ends_th
         "error: callbacks.forever (forever_callbacks.Forever) did not return from on_validation_end within "
         "trainer.hook_timeout_s=0.5 s (raise it if the hook needs longer), nor 0.5 s after it was interrupted: the "
         "process ends here, as at a kill; nothing after the newest checkpoint is saved; fix it, then continue from it "
-        "with resume=last"
+        "with name=demo resume=last"
     ) in stderr.splitlines()
     assert [step for step, _ in steps(home)] == [10] and not list(home.glob("*.tmp"))
     assert load(path_of(home, 10)).step == 10

@@ -148,8 +148,12 @@ def test_a_fp16_checkpoint_carries_the_scaler_state(make_cfg, checkpoint_dir):
 def test_a_fresh_run_refuses_to_overwrite_a_named_runs_checkpoints(make_cfg, checkpoint_dir):
     recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
     saved = {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")}
-    with pytest.raises(RunError, match="already holds checkpoints of 'demo'; continue them with resume=last"):
+    with pytest.raises(RunError) as raised:
         recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    assert (
+        f"already holds checkpoints of 'demo'; continue them with name=demo checkpoint.dir={checkpoint_dir} "
+        "resume=last, or start a separate run with name=<new name>"
+    ) in str(raised.value)
     assert {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")} == saved
 
 

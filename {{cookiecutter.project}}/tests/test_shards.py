@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data import DataError
-from {{cookiecutter.package}}.engine.ready.shards import MANIFEST, ShardDamaged, described, token_shards, write
+from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged
+from {{cookiecutter.package}}.engine.ready.shards import MANIFEST, described, token_shards, write
 
 # 4 shards of about 2,400 byte tokens: 3 to train on, about 38 windows of 64 each.
 GPT = ["experiment=token_gpt", "data.batch_size=8", "model.width=32", "model.depth=1", "trainer.max_steps=4"]
@@ -55,6 +56,7 @@ def test_shards_hold_the_bytes_of_the_texts_in_windows_of_block_size_plus_one_wi
     assert data.val[0][0].tolist() == list(raw[val_start : val_start + 64])
 
 
+@pytest.mark.slow  # the command, in a process of its own
 def test_nanogpts_uint32_train_and_val_files_read_once_described_by_the_manifest_command(tmp_path):
     tokens = numpy.arange(70_000, 70_000 + 2 * 129, dtype=numpy.uint32)
     tokens[:129].tofile(tmp_path / "train.bin")
@@ -67,6 +69,19 @@ def test_nanogpts_uint32_train_and_val_files_read_once_described_by_the_manifest
     assert data.train[1][1].tolist() == tokens[65:129].tolist() and data.val[0][0].tolist() == tokens[129:193].tolist()
 
 
+def test_shards_holding_a_token_past_the_vocabulary_are_refused_naming_the_shard_and_the_size_that_fits(tmp_path):
+    numpy.array([5, 70_257, 9], dtype=numpy.uint32).tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError) as refused:
+        described(tmp_path, "uint32", vocab_size=50_304)
+    assert str(refused.value) == (
+        f"{tmp_path / 'train.bin'} holds token 70257, which --vocab-size=50304 leaves out of the model's embedding; "
+        "give the tokenizer's vocabulary size (at least 70258)"
+    )
+    assert not (tmp_path / MANIFEST).exists()
+    assert described(tmp_path, "uint32", vocab_size=70_258)["vocab_size"] == 70_258
+
+
+@pytest.mark.slow  # the command, in a process of its own
 def test_the_write_command_refuses_a_folder_that_holds_files_and_leaves_it_as_it_was(texts, tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -159,3 +174,29 @@ def test_a_shard_truncated_under_the_run_is_named_with_the_sample_in_one_line_fr
     message = str(damaged.value)
     assert message.startswith(f"cannot read sample {last} from {shards / 'shard_00002.bin'} (it is 100 bytes now;")
     assert "\n" not in message and "Traceback" not in message
+
+
+class Truncating:
+    """Cuts a training shard short after the first validation: the run reads it on."""
+
+    def __init__(self, shard: str) -> None:
+        self.shard = shard
+
+    def on_validation_end(self, run, metrics) -> None:
+        os.truncate(self.shard, 100)
+
+
+@pytest.mark.slow  # a short training
+def test_a_shard_damaged_mid_run_ends_it_in_one_line_with_the_command_that_continues_it(
+    make_cfg, shards, checkpoint_dir
+):
+    settings = ["checkpoint.every_n_steps=2", "trainer.val_every_n_steps=2", "trainer.max_steps=12"]
+    cut = ["+callbacks.cut._target_=test_shards.Truncating", f"+callbacks.cut.shard={shards / 'shard_00002.bin'}"]
+    with pytest.raises(DataError) as damaged:
+        recipe.train(make_cfg(*GPT, f"data.dir={shards}", *settings, *cut))
+    message = str(damaged.value)
+    assert message.startswith("cannot read sample ") and "\n" not in message
+    newest = sorted(checkpoint_dir.glob("step_*"))[-1]
+    assert message.endswith(
+        f"; the newest checkpoint on disk is {newest}; continue from it with name=token-gpt resume=last"
+    ), message

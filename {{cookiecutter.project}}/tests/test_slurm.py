@@ -136,4 +136,4 @@ def test_a_job_a_person_cancels_saves_stays_down_and_the_sweep_says_so_without_a
     assert "| KILLED " in stdout + stderr and "1 of 1 jobs failed" in stdout + stderr
     assert "Traceback" not in stdout + stderr
     assert re.search(r"Restarts=0\b", slurm.run("scontrol", "show", "job", job).stdout), "not requeued"
-    assert "continue with resume=last" in job_logs(project)
+    assert "continue with name=demo resume=last" in job_logs(project)

@@ -123,11 +123,11 @@ def test_a_standby_is_refused_in_one_line_where_it_cannot_stand_by(project, make
     assert refused.returncode == 2, said
     assert (
         "error: standby=true continues the run whose leg it waits for, not a fresh run: "
-        "start it with resume=auto (or resume=last)"
+        "start it with name=demo resume=auto (or resume=last)"
     ) in said
     assert "Traceback" not in said and not (project / "checkpoints").exists()
 
-    with pytest.raises(RunError, match=r"not resume=.*step_00000010\.pt: start it with resume=auto"):
+    with pytest.raises(RunError, match=r"not resume=.*step_00000010\.pt: start it with name=demo resume=auto"):
         standby.check(make_cfg("standby=true", "resume=checkpoints/demo/step_00000010.pt"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RunError, match=r"a torchrun job restarts its workers itself \(torchrun --max-restarts=N\)"):

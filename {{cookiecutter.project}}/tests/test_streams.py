@@ -110,6 +110,7 @@ def stream_data(**_) -> Data:
     return Data(Lanes(), val, input_shape=(1, 8, 8), num_classes=10)
 
 
+@pytest.mark.slow  # three short trainings
 def test_a_run_on_a_stream_in_lanes_stops_and_resumes_bit_for_bit(make_cfg, sigterm_at, tmp_path):
     common = [f"data._target_={__name__}.stream_data", "+data.lanes=16", "trainer.max_steps=30", "model.dropout=0"]
     unbroken = recipe.train(make_cfg(*common, "name=unbroken", f"checkpoint.dir={tmp_path / 'unbroken'}"))

@@ -26,7 +26,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import components
-from .errors import RunError
+from .errors import RunError, typed
 
 
 @dataclass
@@ -152,6 +152,18 @@ def home_of(cfg: DictConfig, name: str) -> Path:
     return Path(OmegaConf.merge(cfg, {"name": name}).checkpoint.dir)
 
 
+def continuing(cfg: DictConfig, resume: str = "last") -> str:
+    """The words after `python run.py` that continue this run: its name, its home where the command
+    line set it (a resume takes checkpoint.dir from there, never from a checkpoint), and `resume=`.
+    A suggestion without the name would continue the configs' default run instead."""
+    words = [f"name={typed(cfg.name)}"]
+    if HydraConfig.initialized() and any(
+        override.lstrip("+~").split("=", 1)[0] == "checkpoint.dir" for override in HydraConfig.get().overrides.task
+    ):
+        words.append(f"checkpoint.dir={typed(cfg.checkpoint.dir)}")
+    return " ".join([*words, f"resume={typed(resume)}"])
+
+
 def project_root() -> str:
     """The folder that holds `configs/`, so stores and checkpoints do not move with the cwd or
     with Hydra's timestamped output folder."""
@@ -218,6 +230,8 @@ def check_values(cfg: Config) -> None:
     """What types cannot say, checked before any work starts: unknown keys, ranges, closed
     choices, a safe name, and every component's settings. Every problem found is named, in one line."""
     check_resolved(cfg)
+    if missing := unset(cfg):  # before anything reads them: a read of one raises with a traceback
+        raise RunError("; ".join(missing))
     problems = unknown_keys(cfg, Config) + components.problems(cfg)
     for key, rule, explained in RULES:
         value = OmegaConf.select(cfg, key)
@@ -243,6 +257,17 @@ def check_values(cfg: Config) -> None:
         )
     if problems:
         raise RunError("; ".join(problems))
+
+
+def unset(node: DictConfig, path: str = "") -> list[str]:
+    """The settings the configs leave `???` for the command line to give (`data.dir` of token shards)."""
+    found = []
+    for key in node:
+        if OmegaConf.is_missing(node, key):
+            found.append(f"{path}{key} has no value; give it one: {path}{key}=<value>")
+        elif isinstance(node[key], DictConfig):
+            found += unset(node[key], f"{path}{key}.")
+    return found
 
 
 def check_resolved(cfg: DictConfig) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 
+from .config import continuing
 from .devices import ACCELERATORS, resolve_device
 from .errors import RunError
 
@@ -186,7 +187,7 @@ def join(cfg: "Config") -> Iterator[World]:
         with said_in_one_line(
             cfg.strategy.timeout_s,
             ", so this one stops too; the reason is in the first lines of the process that stopped; then continue "
-            "the job from its newest checkpoint with resume=last",
+            f"the job from its newest checkpoint with {continuing(cfg)}",
         ):
             yield World(device, rank, local_rank, size, backend)
     except PeerLost:

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -63,8 +64,9 @@ class Hold:
     ever). A hook pays for its bound no system call: the watchdog looks at the hook that holds the run
     at least once a bound, and wakes at its end."""
 
-    def __init__(self, bound_s: float | None) -> None:
+    def __init__(self, bound_s: float | None, continuation: Callable[[], str] | None = None) -> None:
         self.bound_s = bound_s
+        self.continuation = continuation  # how to go on from the newest checkpoint, for the line at its end
         self.grace_s = min(bound_s, GRACE_S) if bound_s is not None else None
         self.holding: Holding | None = None
         self._closed = threading.Event()
@@ -129,11 +131,12 @@ class Hold:
     def _end(self, holding: Holding) -> None:
         """The process ends, from the watchdog: its main thread is the hook's. Said as any RunError is."""
 
+        then = f", then {self.continuation()}" if self.continuation else ""
+
         def refuse() -> None:
             raise RunError(
                 f"{self.overran(holding)}, nor {self.grace_s:g} s after it was interrupted: the process ends here, "
-                f"as at a kill; nothing after the newest checkpoint is saved; fix it, then continue from it with "
-                f"resume=last"
+                f"as at a kill; nothing after the newest checkpoint is saved; fix it{then}"
             )
 
         try:

@@ -38,7 +38,7 @@ class Preemption:
     def __init__(self, hook_timeout_s: float | None = None, continuation: Callable[[], str] | None = None) -> None:
         self.received: signal.Signals | None = None
         self.continuation = continuation
-        self.hold = Hold(hook_timeout_s)
+        self.hold = Hold(hook_timeout_s, continuation)
         self._previous: dict = {}
         self._twice = False
 

@@ -68,7 +68,7 @@ def requeue(received: signal.Signals) -> str | None:
     if requeued and requeued.returncode == 0:
         return comes_back
     said = (requeued.stderr.strip() or f"exit {requeued.returncode}") if requeued else "no scontrol"
-    log.warning(f"could not requeue SLURM job {job} ({said}); continue it with resume=last")
+    log.warning(f"could not requeue SLURM job {job} ({said}): it comes back only when started again")
     return None
 
 

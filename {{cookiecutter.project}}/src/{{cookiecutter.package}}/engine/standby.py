@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from . import goodput, priority, tracking
+from .config import continuing
 from .errors import RunError
 from .preemption import SIGNALS, Stopped
 
@@ -81,7 +82,7 @@ def check(cfg: DictConfig) -> None:
         instead = "a fresh run" if cfg.resume is None else f"resume={cfg.resume}"
         raise RunError(
             f"standby=true continues the run whose leg it waits for, not {instead}: "
-            f"start it with resume=auto (or resume=last)"
+            f"start it with {continuing(cfg, 'auto')} (or resume=last)"
         )
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise RunError(

@@ -17,8 +17,8 @@ from .checkpoint import initial
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
 from .checkpoint.schema import Checkpoint
-from .config import Config, check_values
-from .data import Position, batches, build_data, build_loader, evaluation_loader
+from .config import Config, check_values, continuing
+from .data import DataError, Position, batches, build_data, build_loader, evaluation_loader
 from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
 from .divergence import Divergence
@@ -105,6 +105,8 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
                             raise RunError(f"{error}; {where}; fix it, then {then}") from None
                         # A stop that cut short a hook of a callback that keeps state: stopped unsaved.
                         preemption.received, unsaved = error.stopped, f"{error}; {where}"
+                    except DataError as error:  # a shard damaged mid-run: once it is put back, the run goes on
+                        raise DataError(f"{error}; {checkpoints.standing('')}") from None
                 # Short of max_steps: stopped by a signal, unless early stopping ended it.
                 finished = run.step >= cfg.trainer.max_steps or run.monitor.stopped
                 status = "FINISHED" if finished and unsaved is None else "KILLED"
@@ -123,7 +125,7 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
         comeback = world.on_main(lambda: restarts.requeue(preemption.received))
         log.info(
             f"stopped at step {run.step} by {preemption.received.name}; {unsaved or f'saved {newest}'}; "
-            f"{comeback or 'continue with resume=last'}"
+            f"{comeback or f'continue with {continuing(cfg)}'}"
         )
         said_at_end(run)
         raise Stopped(preemption.received, comeback)

@@ -154,7 +154,7 @@ def _taken(home: Path, fresh: str) -> str:
     if owner is None or owner == fresh:
         of = "" if owner is None else f" of {owner!r}"
         return (
-            f"{home} already holds checkpoints{of}; continue them with resume=last, "
+            f"{home} already holds checkpoints{of}; continue them with name={typed(fresh)} checkpoint.dir={typed(home)} resume=last, "
             f"or start a separate run with name=<new name> (or checkpoint.dir=<path>)"
         )
     return (  # the owner's name is read from a checkpoint: data from anywhere, pasted into a command

@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
+from ..config import continuing
 from ..errors import RunError, listed
 from . import onefile
 from .compatibility import mismatches, saved_shapes, shapes_of
@@ -35,7 +36,7 @@ def check_apart(cfg: DictConfig) -> None:
     if source == home or home in source.parents:
         raise RunError(
             f"init.checkpoint={cfg.init.checkpoint} names this run's own checkpoints ({home}); a fine-tune is a run "
-            f"of its own: give it name=<new name>, or continue this run with resume=last without init.checkpoint"
+            f"of its own: give it name=<new name>, or continue this run with {continuing(cfg)} without init.checkpoint"
         )
 
 

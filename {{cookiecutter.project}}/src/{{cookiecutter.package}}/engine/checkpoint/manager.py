@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from omegaconf import OmegaConf
 
-from ..config import Config
+from ..config import Config, continuing
 from ..devices import describe
 from ..distributed import World
 from ..errors import CheckpointError, RunError, SaveError, listed
@@ -240,11 +240,13 @@ class Checkpointer:
     def continuation(self, fix: str = "") -> str:
         """The command that goes on from the newest checkpoint on disk, and none that cannot work:
         with nothing saved, a fresh start; from a checkpoint elsewhere (resumed from another home),
-        that checkpoint, which resume=last would not find."""
-        if self.newest is None:
+        that checkpoint, which resume=last would not find. A write in flight (its line may come from the
+        hook watchdog's thread, mid-write) lands in this home, where resume=last finds it."""
+        if self.newest is None and self._in_flight is None:
             return f"run it again with {fix}" if fix else "run it again"
-        resume = "last" if self.newest.parent.resolve() == self.home.resolve() else str(self.newest)
-        return f"continue from it with resume={resume}" + (f" and {fix}" if fix else "")
+        here = self._in_flight is not None or self.newest.parent.resolve() == self.home.resolve()
+        resume = "last" if here else str(self.newest)
+        return f"continue from it with {continuing(self.cfg, resume)}" + (f" and {fix}" if fix else "")
 
     def on_disk(self) -> str:
         """Where the run stands on disk, once the write in flight is done: for messages."""

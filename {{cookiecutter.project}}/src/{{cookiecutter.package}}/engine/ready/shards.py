@@ -2,12 +2,10 @@
 tokens as uint16 or uint32 one after another), read a window at a time, never whole, and checked
 against the folder's `manifest.json` before anything trains.
 
-The manifest says, per shard, its bytes, tokens, dtype, sha256 (computed once, when it is written)
-and the size and mtime it had then; its fingerprint is the hash of those entries. At start each
-shard costs one `os.stat`; only a shard whose mtime moved at the same size (a copy, or a same-sized
-replacement) is read again, to compare its hash. The training split is a checkpoint part: a resume
-on shards that changed since the checkpoint is refused, naming the shard, unless
-`data.accept_changed_shards=true`.
+The manifest says, per shard, its bytes, tokens, dtype and sha256 (computed once, when it is
+written); it is checked, and the training split recorded by the checkpoint, as every manifest of
+the ready datasets is (manifest.py): a stat per shard at start, a resume on changed shards refused
+naming one unless `data.accept_changed_shards=true`.
 
 Shards from a folder of text files, byte-level (a token is a UTF-8 byte, 256 of them), no download:
 
@@ -15,15 +13,12 @@ Shards from a folder of text files, byte-level (a token is a UTF-8 byte, 256 of 
 """
 
 import argparse
-import hashlib
-import json
-import logging
 import math
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +26,11 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data import Data, DataError
-
-log = logging.getLogger(__name__)
+from .manifest import CHUNK, CheckedShards, hashed, loaded, matched, written
 
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 WRITE = "python -m {{cookiecutter.package}}.engine.ready.shards write <text folder> <shard folder>"
-CHUNK = 1 << 24  # bytes hashed or copied at a time: a shard of any size in little memory
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ def token_shards(dir: Path, block_size: int, val_shards: int = 1, accept_changed
     )
 
 
-class TokenWindows(Dataset):
+class TokenWindows(CheckedShards, Dataset):
     """Windows of `block_size + 1` tokens of `shards`, read with one `os.pread` each from files
     opened by the process that reads them (each loader worker its own). A memory map would read as
     fast, but a shard truncated under it kills the process with SIGBUS, naming nothing; a short read
@@ -112,9 +105,9 @@ class TokenWindows(Dataset):
         try:
             read = os.pread(self._file(number), size, offset)
         except OSError as error:
-            raise ShardDamaged(self._damaged(shard, index, error.strerror or type(error).__name__)) from None
+            raise self.damaged(shard, index, error.strerror or type(error).__name__) from None
         if len(read) < size:
-            raise ShardDamaged(self._damaged(shard, index, f"it is {os.fstat(self._file(number)).st_size} bytes now"))
+            raise self.damaged(shard, index, f"it is {os.fstat(self._file(number)).st_size} bytes now")
         window = torch.from_numpy(np.frombuffer(read, dtype=DTYPES[shard.dtype]).astype(np.int64))
         return window[:-1], window[1:]
 
@@ -122,13 +115,6 @@ class TokenWindows(Dataset):
         if number not in self._files:
             self._files[number] = os.open(self.folder / self.shards[number].file, os.O_RDONLY)
         return self._files[number]
-
-    def _damaged(self, shard: Shard, index: int, what: str) -> str:
-        return (
-            f"cannot read sample {index} from {self.folder / shard.file} ({what}; its manifest says "
-            f"{shard.bytes} bytes): the shard changed under the run; put back the file of sha256 {shard.sha256[:16]}..., "
-            f"then resume=last"
-        )
 
     def __getstate__(self) -> dict:
         # A worker started by spawn opens its own files: descriptors do not cross processes.
@@ -138,93 +124,27 @@ class TokenWindows(Dataset):
         for descriptor in self._files.values():
             os.close(descriptor)
 
-    def state_dict(self) -> dict:
-        return {"fingerprint": self.fingerprint, "shards": {shard.file: shard.sha256 for shard in self.shards}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Refuses, in one line naming a shard, a resume on training shards other than those of the
-        checkpoint, unless accepted: the same position in other data is other samples."""
-        saved, now = state["shards"], {shard.file: shard.sha256 for shard in self.shards}
-        changes = [f"{file} replaced" for file in now if file in saved and saved[file] != now[file]]
-        changes += [f"{file} added" for file in now if file not in saved]
-        changes += [f"{file} removed" for file in saved if file not in now]
-        if not changes:
-            return
-        more = f" and {len(changes) - 1} more" if len(changes) > 1 else ""
-        said = f"the training shards of {self.folder} changed since the checkpoint: {changes[0]}{more}"
-        if not self.accept_changed:
-            raise DataError(
-                f"{said}; put the checkpoint's shards back, or add data.accept_changed_shards=true to go on with "
-                f"these (the rest of the epoch then draws from them)"
-            )
-        log.warning(f"{said}; going on with them, as data.accept_changed_shards=true says")
-
-
-class ShardDamaged(DataError):
-    """A shard that could not be read mid-run. Raised in a loader worker, it reaches the run as torch
-    rebuilds it, from a message that holds the worker's traceback: only its last line is kept."""
-
-    def __init__(self, message: str) -> None:
-        prefix = f"{type(self).__module__}.{type(self).__qualname__}: "
-        super().__init__(message.rstrip().splitlines()[-1].removeprefix(prefix))
-
 
 def checked(folder: Path) -> dict:
     """The manifest of `folder`, after one `os.stat` per shard says its files are the ones it
     describes (and, for a shard whose mtime moved at the same size, its hash); else one line naming
     the file and what to do."""
-    path = folder / MANIFEST
     rewrite = f"write the shards again ({WRITE}) or put their manifest back"
     if not folder.is_dir():
         raise DataError(f"data.dir={folder} is no folder; point data.dir at a folder of token shards")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        shards = [Shard(**entry) for entry in manifest["shards"]]
-        if not isinstance(manifest.get("vocab_size"), int) or manifest.get("fingerprint") != fingerprint(shards):
-            raise ValueError("its vocab_size or fingerprint does not match its entries")
-        if not shards:
-            raise ValueError("it lists no shard")
-        if odd := [shard for shard in shards if shard.dtype not in DTYPES or Path(shard.file).name != shard.file]:
-            raise ValueError(
-                f"{odd[0].file} is not a file name of this folder, or {odd[0].dtype} not one of {list(DTYPES)}"
-            )
-    except FileNotFoundError:
-        raise DataError(f"{folder} has no {MANIFEST}: {rewrite}") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"{path} cannot be read ({type(error).__name__}: {error}); {rewrite}") from None
-    listed_files = {shard.file for shard in shards}
-    if added := sorted(path.name for path in folder.glob("*.bin") if path.name not in listed_files):
-        raise DataError(
-            f"{folder / added[0]} is not in {MANIFEST}: move it out of the folder, or write the shards "
-            f"again ({WRITE}) to train on it"
-        )
-    for shard in shards:
-        try:
-            found = os.stat(folder / shard.file)
-        except FileNotFoundError:
-            raise DataError(f"{folder / shard.file}, listed in {MANIFEST}, is missing; {rewrite}") from None
-        if found.st_size != shard.bytes:
-            raise DataError(
-                f"{folder / shard.file} is {found.st_size} bytes, its manifest says {shard.bytes}: it changed "
-                f"since it was written; {rewrite}"
-            )
-        if found.st_mtime_ns != shard.mtime_ns and hashed(folder / shard.file) != shard.sha256:
-            raise DataError(f"{folder / shard.file} is not the file its manifest hashed; {rewrite}")
+    manifest, shards = loaded(folder, MANIFEST, Shard, rewrite, valid)
+    present = sorted(path.name for path in folder.glob("*.bin"))
+    added = f"move it out of the folder, or write the shards again ({WRITE}) to train on it"
+    matched(folder, MANIFEST, shards, present, rewrite, added)
     return manifest
 
 
-def fingerprint(shards: list[Shard]) -> str:
-    """The hash of what the shards hold, not of when they were written: a copy keeps it."""
-    entries = [{key: value for key, value in asdict(shard).items() if key != "mtime_ns"} for shard in shards]
-    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
-
-
-def hashed(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def valid(manifest: dict, shards: list[Shard]) -> None:
+    """What a manifest of token shards says beyond its entries: the vocabulary, and a token type."""
+    if not isinstance(manifest.get("vocab_size"), int):
+        raise ValueError("its vocab_size is no integer")
+    if odd := [shard for shard in shards if shard.dtype not in DTYPES]:
+        raise ValueError(f"{odd[0].dtype} of {odd[0].file} is not one of {list(DTYPES)}")
 
 
 def write(texts: Path, folder: Path, shard_tokens: int = 1 << 24) -> dict:
@@ -267,7 +187,9 @@ def reopened(output, path: Path | None):
 
 
 def described(folder: Path, dtype: str, vocab_size: int) -> dict:
-    """The manifest of the `.bin` files of `folder`, each read once to hash it, written into the folder."""
+    """The manifest of the `.bin` files of `folder`, each read once to hash it and to find its largest
+    token, written into the folder. A token past the vocabulary would stop a run only when a batch
+    first holds it (on a GPU, as a device-side assert), so such shards are refused here."""
     if dtype not in DTYPES:
         raise DataError(f"--dtype={dtype} is not a token type here; use one of {', '.join(DTYPES)}")
     shards = []
@@ -275,16 +197,24 @@ def described(folder: Path, dtype: str, vocab_size: int) -> dict:
         found, itemsize = os.stat(path), np.dtype(DTYPES[dtype]).itemsize
         if found.st_size % itemsize:
             raise DataError(f"{path} is {found.st_size} bytes, not a whole number of {dtype} tokens")
-        shards.append(
-            Shard(path.name, found.st_size, found.st_size // itemsize, dtype, hashed(path), found.st_mtime_ns)
-        )
+        sha256, largest = surveyed(path, dtype)
+        if largest >= vocab_size:
+            raise DataError(
+                f"{path} holds token {largest}, which --vocab-size={vocab_size} leaves out of the model's "
+                f"embedding; give the tokenizer's vocabulary size (at least {largest + 1})"
+            )
+        shards.append(Shard(path.name, found.st_size, found.st_size // itemsize, dtype, sha256, found.st_mtime_ns))
     if not shards:
         raise DataError(f"{folder} holds no <name>.bin shard")
-    manifest = {"vocab_size": vocab_size, "fingerprint": fingerprint(shards), "shards": [asdict(s) for s in shards]}
-    temporary = folder / f".{MANIFEST}.{os.getpid()}"
-    temporary.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    temporary.rename(folder / MANIFEST)
-    return manifest
+    return written(folder, MANIFEST, shards, vocab_size=vocab_size)
+
+
+def surveyed(path: Path, dtype: str) -> tuple[str, int]:
+    """The sha256 of a shard and its largest token, in one read (a chunk holds whole tokens: CHUNK is a
+    multiple of their size)."""
+    peaks = [0]
+    sha256 = hashed(path, lambda chunk: peaks.append(int(np.frombuffer(chunk, dtype=DTYPES[dtype]).max())))
+    return sha256, max(peaks)
 
 
 @contextmanager
