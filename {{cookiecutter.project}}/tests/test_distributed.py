@@ -281,14 +281,17 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_last_continues_bit_for_bit(pr
 
 NUMBERED = """
 import os, pathlib, torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 from {{cookiecutter.package}}.engine.data import Data
 from {{cookiecutter.package}}.engine.ready.tasks import Supervised
 
 
-class Numbered(Dataset):
-    \"\"\"Sample i: an 8x8 image of the number i.\"\"\"
+def sample(number):
+    \"\"\"An 8x8 image of the number, and a label.\"\"\"
+    return torch.full((1, 8, 8), float(number)), number % 10
 
+
+class Numbered(Dataset):
     def __init__(self, size):
         self.size = size
 
@@ -296,11 +299,25 @@ class Numbered(Dataset):
         return self.size
 
     def __getitem__(self, index):
-        return torch.full((1, 8, 8), float(index)), index % 10
+        return sample(index)
+
+
+class Lanes(IterableDataset):
+    \"\"\"The same 200 samples as a stream: sample n lies in lane n % lanes.\"\"\"
+
+    def lane(self, index, lanes, start):
+        yield from (sample(number) for number in range(index + start * lanes, 200, lanes))
+
+    def __iter__(self):
+        return iter(sample(number) for number in range(200))
 
 
 def numbered(**_):
     return Data(Numbered(200), Numbered(32), input_shape=(1, 8, 8), num_classes=10)
+
+
+def streamed(**_):
+    return Data(Lanes(), Numbered(32), input_shape=(1, 8, 8), num_classes=10)
 
 
 class Recording(Supervised):
@@ -323,14 +340,18 @@ def trained_samples(prefix: Path, ranks: int, batches: int, steps: int) -> list[
     return [sorted(int(number) for line in step for number in line.split()) for step in taken]
 
 
+@pytest.mark.parametrize(
+    "dataset", [["data._target_=numbered.numbered"], ["data._target_=numbered.streamed", "+data.lanes=8"]],
+    ids=["map-style", "a stream in lanes"],
+)
 def test_stopped_with_two_processes_and_resumed_with_one_and_two_workers_each_step_trains_on_the_same_samples(
-    project, save_gate
+    project, save_gate, dataset
 ):
     """200 samples, 16 a step: 12 steps an epoch, and the run goes into its third. The stopped job
     trains 8 a process; the one process that continues it reads 8 a batch twice a step, from two
     workers. Step after step, the same samples as a job of two processes that never stopped."""
     (project / "numbered.py").write_text(NUMBERED)
-    data = ["data._target_=numbered.numbered", "task._target_=numbered.Recording", "data.batch_size=8"]
+    data = [*dataset, "task._target_=numbered.Recording", "data.batch_size=8"]
     steps = ["trainer.max_steps=30", "checkpoint.every_n_steps=5", *data]
     finished(torchrun(project, "name=unbroken", *steps, env={**os.environ, "IDS": str(project / "unbroken")}))
     unbroken = trained_samples(project / "unbroken", ranks=2, batches=1, steps=30)
