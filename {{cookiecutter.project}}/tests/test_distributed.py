@@ -341,7 +341,8 @@ def trained_samples(prefix: Path, ranks: int, batches: int, steps: int) -> list[
 
 
 @pytest.mark.parametrize(
-    "dataset", [["data._target_=numbered.numbered"], ["data._target_=numbered.streamed", "+data.lanes=8"]],
+    "dataset",
+    [["data._target_=numbered.numbered"], ["data._target_=numbered.streamed", "+data.lanes=8"]],
     ids=["map-style", "a stream in lanes"],
 )
 def test_stopped_with_two_processes_and_resumed_with_one_and_two_workers_each_step_trains_on_the_same_samples(
