@@ -172,42 +172,61 @@ class ArrowRows(CheckedShards, Dataset):
         return index // (self.every - 1) * self.every + index % (self.every - 1)
 
     def __getitem__(self, index: int):
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of {len(self)}")
-        row = self.row(index)
-        number = bisect.bisect_right(self.starts, row) - 1
-        shard, (descriptor, starts, plans) = self.shards[number], self._opened(number, index)
-        if changed := since(os.fstat(descriptor), self.seen[number]):  # a file written over in place, or cut
-            raise self.damaged(shard, index, changed)
-        local = row - self.starts[number]
-        batch = bisect.bisect_right(starts, local) - 1
-        at = local - starts[batch]
-        sample = [
-            torch.from_numpy(self._values(descriptor, plan, at, count, shard, index).astype(dtype).reshape(shape))
-            for (shape, dtype, count), plan in zip(self.columns, plans[batch], strict=True)
-        ]
-        return dict(zip(self.names, sample, strict=True)) if self.keyed else tuple(sample)
+        return self.__getitems__([index])[0]
 
-    def _values(self, descriptor: int, plan: tuple, at: int, count: int, shard: ArrowShard, index: int) -> np.ndarray:
-        """The `count` numbers of item `at` of a column whose layout `plan` says (`layout`)."""
+    def __getitems__(self, indices: list[int]) -> list:
+        """The samples `indices`, as torch's loader asks for a batch: each column's numbers read from
+        the file straight into a row of one array for the batch, which becomes one tensor; each
+        shard's file checked once a batch to be the one the start found (not written over, nor cut)."""
+        columns = [np.empty((len(indices), count), dtype=dtype) for _, dtype, count in self.columns]
+        checked = set()
+        for place, index in enumerate(indices):
+            if not 0 <= index < len(self):
+                raise IndexError(f"sample {index} of {len(self)}")
+            row = self.row(index)
+            number = bisect.bisect_right(self.starts, row) - 1
+            shard, (descriptor, starts, plans) = self.shards[number], self._opened(number, index)
+            if number not in checked:
+                if changed := since(os.fstat(descriptor), self.seen[number]):
+                    raise self.damaged(shard, index, changed)
+                checked.add(number)
+            local = row - self.starts[number]
+            batch = bisect.bisect_right(starts, local) - 1
+            for column, plan in zip(columns, plans[batch], strict=True):
+                self._values(column[place], descriptor, plan, local - starts[batch], shard, index)
+        tensors = [
+            torch.from_numpy(column).view(len(indices), *shape)
+            for column, (shape, _, _) in zip(columns, self.columns, strict=True)
+        ]
+        samples = [tuple(tensor[place] for tensor in tensors) for place in range(len(indices))]
+        return [dict(zip(self.names, sample, strict=True)) for sample in samples] if self.keyed else samples
+
+    def _values(self, into: np.ndarray, descriptor: int, plan: tuple, at: int, shard: ArrowShard, index: int) -> None:
+        """The numbers of item `at` of a column whose layout `plan` says (`layout`), read into the row
+        `into`: straight where the file holds them as the tensor does, else converted."""
         levels, values_at, dtype = plan
         for offsets_at, size, offset in levels:
             if offsets_at is None:  # fixed-size lists: `size` numbers each
                 at = (offset + at) * size
             else:  # a list: where each item's items start, integers of `size` bytes
                 where = offsets_at + (offset + at) * size
-                at = int.from_bytes(self._read(descriptor, size, where, shard, index), "little", signed=True)
+                at = int.from_bytes(self._read(descriptor, bytearray(size), where, shard, index), "little", signed=True)
         where = values_at + at * dtype.itemsize
-        return np.frombuffer(self._read(descriptor, count * dtype.itemsize, where, shard, index), dtype)
+        if dtype == into.dtype:
+            self._read(descriptor, memoryview(into).cast("B"), where, shard, index)
+        else:
+            read = self._read(descriptor, bytearray(into.size * dtype.itemsize), where, shard, index)
+            into[:] = np.frombuffer(read, dtype)
 
-    def _read(self, descriptor: int, size: int, offset: int, shard: ArrowShard, index: int) -> bytes:
+    def _read(self, descriptor: int, into: bytearray | memoryview, offset: int, shard: ArrowShard, index: int):
+        """`into` filled from `offset` of the file, and returned."""
         try:
-            read = os.pread(descriptor, size, offset)
+            read = os.preadv(descriptor, [into], offset)
         except OSError as error:
             raise self.damaged(shard, index, error.strerror or type(error).__name__) from None
-        if len(read) < size:
+        if read < len(into):
             raise self.damaged(shard, index, f"it is {os.fstat(descriptor).st_size} bytes now")
-        return read
+        return into
 
     def _opened(self, number: int, index: int) -> tuple[int, list[int], list[list]]:
         """Shard `number`'s descriptor, the first row of each record batch, and each batch's columns'
