@@ -22,12 +22,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from omegaconf import OmegaConf
-from shards import rate
-from torch.utils.data import DataLoader, Dataset
+from shards import compare
+from torch.utils.data import Dataset
 
-from {{cookiecutter.package}}.engine.data import Position, batches, build_loader
-from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
 from {{cookiecutter.package}}.engine.ready.save_to_disk import described
 
@@ -102,25 +99,7 @@ def main() -> None:
         data.train[len(data.train) - 1]
         first = time.perf_counter() - began
         print(f"start checked in {checked * 1000:.1f} ms (a stat a shard); first sample {first * 1000:.2f} ms")
-        world, raw = World(torch.device("cpu")), RawRows(files, args.rows)
-        for workers in (0, 2):
-            cfg = OmegaConf.create({"batch_size": args.batch_size, "num_workers": workers})
-            loader = build_loader(data.train, cfg, OmegaConf.create({"pin_memory": False}), seed=0, world=world)
-            order = [data.train.row(index) for index in loader.sampler]  # the same rows in the same order
-            plain = DataLoader(raw, batch_size=args.batch_size, sampler=order, num_workers=workers)
-            # Taken in turns, the best of each: a machine whose load changes meanwhile favours neither.
-            turns = []
-            for _ in range(args.repeats):
-                turns.append((rate(batches(loader, Position()), args.batches), rate(plain, args.batches)))
-            ours, theirs = np.max(turns, axis=0)
-            print(
-                f"num_workers={workers}: project {ours:,.0f} samples/s, raw pyarrow views {theirs:,.0f} samples/s, "
-                f"ratio {ours / theirs:.2f} (target >= 0.9 with workers)"
-            )
-            position = Position(epoch=0, sample=len(data.train) // 2 // args.batch_size * args.batch_size)
-            began = time.perf_counter()
-            next(batches(loader, position))
-            print(f"num_workers={workers}: a resume at 50% of the epoch waits {time.perf_counter() - began:.3f} s")
+        compare(data.train, RawRows(files, args.rows), data.train.row, args, "raw pyarrow views", ">= 0.9 with workers")
 
 
 if __name__ == "__main__":
