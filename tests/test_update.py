@@ -521,7 +521,9 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
     left = {str(path.relative_to(configs)) for path in configs.rglob("*.yaml")}
     assert left == {"config.yaml", "checkpoint/default.yaml", "model/small_cnn.yaml", *experiments}
     assert "kept configs/checkpoint/default.yaml, configs/model/small_cnn.yaml" in updated.stdout
-    chosen = ["name=mine", "trainer.max_steps=50", "model=cnn", "checkpoint.keep_last=2"]
+    # The kept copy of checkpoint/default.yaml holds every value as the bake wrote it: a default the
+    # engine changed since (checkpoint.every_s, null then) stays the copy's.
+    chosen = ["name=mine", "trainer.max_steps=50", "model=cnn", "checkpoint.keep_last=2", "checkpoint.every_s=null"]
     assert composed(project) == composed(fresh, *chosen)
     assert composed(project, "model=small_cnn")["model"]["channels"] == [8, 16]
 

@@ -2,8 +2,10 @@
 The first tests need no processes: how the data is cut, and how a launch is read."""
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, start, wait_for_a_save, wait_for_exit
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
+from test_remote import bucket, s3_env, s3_server  # noqa: F401 (fixtures: moto's S3 server)
 
 from {{cookiecutter.package}}.engine import distributed, train
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
@@ -212,6 +215,61 @@ def test_processes_that_do_not_all_meet_stop_within_the_timeout_in_one_line(make
     with (
         pytest.raises(RunError, match=f"^{re.escape(said)}$"),
         distributed.join(make_cfg("strategy=ddp", "strategy.timeout_s=2")),
+    ):
+        pass
+
+
+RANK_1 = """
+from omegaconf import OmegaConf
+from {{cookiecutter.package}}.engine import distributed
+from {{cookiecutter.package}}.engine.errors import reported
+
+found = distributed.answering
+
+
+def answering(*arguments):
+    if answered := found(*arguments):
+        print("found rank 0's store", flush=True)
+    return answered
+
+
+distributed.answering = answering
+
+
+def wait():
+    with distributed.main_first(OmegaConf.create({"strategy": {"timeout_s": 60}}), "fetch"):
+        print("went on", flush=True)
+
+
+reported(wait)
+"""
+
+
+def test_when_rank_0_fails_at_what_it_does_first_the_others_stop_in_its_line(make_cfg, monkeypatch, torchruns_store):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    other = subprocess.Popen([sys.executable, "-c", RANK_1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RunError), distributed.main_first(make_cfg("strategy=ddp"), "fetch") as done:
+        assert done is not None
+        assert other.stdout.readline() == "found rank 0's store\n"  # it waits for rank 0 now
+        raise RunError("checkpoint.remote: the store refused (AccessDenied); check its credentials")
+    stdout, stderr = other.communicate(timeout=60)
+    assert other.returncode == 2 and stdout == "", stdout + stderr
+    assert stderr == "[rank 1] error: checkpoint.remote: the store refused (AccessDenied); check its credentials\n"
+
+
+def test_processes_that_torchrun_did_not_start_are_refused_what_rank_0_must_do_first(make_cfg, monkeypatch):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    said = (
+        "rank 0 must fetch before the other 1 processes start, and only processes that torchrun started can wait "
+        "for it: start them with torchrun (under SLURM: srun torchrun ...)"
+    )
+    with (
+        pytest.raises(RunError, match=f"^{re.escape(said)}$"),
+        distributed.main_first(make_cfg("strategy=ddp"), "fetch"),
     ):
         pass
 
@@ -612,3 +670,102 @@ def test_a_sweep_job_of_two_submitit_tasks_trains_as_one_ddp_run(project):
     runs = runs_named(client, "demo", "tags.world_size = '2'")
     (run,) = runs
     assert run.info.status == "FINISHED" and sorted(losses(client, run.info.run_id)) == list(range(10, 21, 10))
+
+
+# --- checkpoint.remote under torchrun: a job continued on a new machine from a mounted folder ---
+
+SAYING = """
+import os
+
+
+class Said:
+    \"\"\"Prints, on every rank, the step and the batch size this process continues with.\"\"\"
+
+    def on_fit_start(self, run):
+        print(f"rank {os.environ['RANK']} starts at step {run.step}, data.batch_size={run.cfg.data.batch_size}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_job_stopped_on_one_machine_continues_on_another_from_the_remote_on_every_rank_bit_for_bit(
+    project, tmp_path, save_gate, strategy
+):
+    """The new machine's home is empty: rank 0 fetches the newest remote checkpoint while the other
+    rank waits for it, so both continue with the checkpoint's settings (data.batch_size, not typed
+    again), from the same step, as a job that never stopped."""
+    (project / "saying.py").write_text(SAYING)
+    remote, home = tmp_path / "mounted", project / "checkpoints" / "broken"
+    steps = ["trainer.max_steps=40", "checkpoint.every_n_steps=7"]
+    finished(torchrun(project, "name=unbroken", *steps, "data.batch_size=32", strategy=strategy))
+    gate = save_gate(match=str(home))
+    saved = stopped_by_sigterm(
+        project, gate, "name=broken", *steps, "data.batch_size=32", f"checkpoint.remote={remote}", strategy=strategy
+    )
+    assert saved["step"] < 40
+    shutil.rmtree(home)  # the machine is gone; the remote folder outlives it
+
+    # Rank 0 is held before its fetch lands until rank 1 has gone as far as it goes without it: to
+    # torchrun's store, where it waits for rank 0 (to fetch, or to meet in the process group).
+    fetching = save_gate(when="before", match=str(home))
+    then = ["resume=auto", f"checkpoint.remote={remote}", "+callbacks.said._target_=saying.Said"]
+    process = torchrun(project, "name=broken", *steps, *then, strategy=strategy, env=fetching.env)
+    fetching.wait(process)
+    other = ranks(process)[1]
+    while not connected(other, int(environ(other)["MASTER_PORT"])):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    fetching.release()
+    continued = finished(process)
+    assert f"resumed at step {saved['step']} on cpu" in continued and "(ok)" in continued
+    assert sorted(re.findall(r"rank (\d) starts at step (\d+), data.batch_size=(\d+)", continued)) == [
+        (str(rank), str(saved["step"]), "32") for rank in range(2)
+    ], continued
+    client = store(project)
+    broken, unbroken = only_run(client, "broken"), only_run(client, "unbroken")
+    assert broken.info.status == "FINISHED" and broken.data.tags["resumes"] == "1"
+    assert losses(client, broken.info.run_id) == losses(client, unbroken.info.run_id)
+
+
+def test_a_job_whose_claim_another_machine_took_stops_on_every_rank_at_the_same_step_saying_so(project, request):
+    """Only rank 0 holds the claim and hears that it is lost; every rank stops at the same logging
+    step with its line, none waits for the others until strategy.timeout_s."""
+    remote, s3 = request.getfixturevalue("bucket")  # test_remote.py's, on moto's S3 server
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    settings = ["trainer.max_steps=100000", "checkpoint.every_n_steps=10", "checkpoint.remote_lease_s=0.3"]
+    process = torchrun(project, *settings, f"checkpoint.remote={remote}", "strategy.timeout_s=600")
+    committed = f"{prefix}/demo/committed/step_00000010.json"
+    while "Contents" not in s3.list_objects_v2(Bucket=bucket_name, Prefix=committed):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/demo/claim.json", Body=json.dumps(other).encode())
+    stdout, stderr = process.communicate(timeout=300)
+    said = stdout + stderr
+    stops = re.findall(
+        rf"^(\[rank 1\] )?error: lost the claim on {re.escape(remote)}/demo to PID 1 on host-b \(home /b\); this "
+        rf"machine stops at step (\d+) and uploads nothing more$",
+        said,
+        re.MULTILINE,
+    )
+    assert sorted(rank for rank, _ in stops) == ["", "[rank 1] "] and len({step for _, step in stops}) == 1, said
+    assert process.returncode != 0
+
+
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as variables:
+        return dict(item.decode().split("=", 1) for item in variables.read().split(b"\0") if b"=" in item)
+
+
+def connected(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a TCP connection to `port` on this machine."""
+    sockets = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(descriptor)).startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()  # local address, remote address (hex ip:port), state, ..., inode
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in sockets:
+                return True
+    return False

@@ -2,8 +2,10 @@
 of its own under the run that trained it, which it leaves as it was, on disk and in MLflow."""
 
 import functools
+import logging
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -11,10 +13,11 @@ import torch
 from conftest import losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
 from test_remembered import composed
+from test_remote import bucket, s3_env, s3_server  # noqa: F401 (fixtures: the S3 server remote_url asks for)
 from test_tracking import inputs_of
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.checkpoint.home import BEST, path_of
+from {{cookiecutter.package}}.engine.checkpoint.home import BEST, path_of, steps
 from {{cookiecutter.package}}.engine.checkpoint.initial import load_weights
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import RunError
@@ -185,3 +188,96 @@ def test_weights_of_other_shapes_are_refused_naming_the_models_setting(make_cfg,
     other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     with pytest.raises(RunError, match=r"give the overrides it was trained with \(its model: .*models.MLP\)"):
         load_weights(other, load(path_of(checkpoint_dir, 10)), [], shards=False, fine_tuning=False)
+
+
+# --- a machine without the run's home: checkpoint.remote (docs/preemptible-machines.md) ------------
+
+
+@pytest.fixture(params=["folder", "s3"])
+def remote_url(request, tmp_path) -> str:
+    """checkpoint.remote: a mounted folder's path, or a bucket's folder on test_remote.py's S3 server."""
+    return str(tmp_path / "mounted") if request.param == "folder" else request.getfixturevalue("bucket")[0]
+
+
+def test_with_its_home_gone_the_runs_last_and_best_are_read_from_the_remote_as_they_were_logged(
+    make_cfg, client, checkpoint_dir, tmp_path, remote_url
+):
+    remote = f"checkpoint.remote={remote_url}"
+    trained = recipe.train(make_cfg(*PEAK, remote))
+    logged = val_losses(client, trained["run_id"])
+    best = max(logged, key=logged.get)
+    assert best < 30, "the best is an early checkpoint, not the newest"
+    for which, step in (("last", 40), ("best", best)):
+        shutil.rmtree(checkpoint_dir)
+        judged = evaluate_checkpoint(make_cfg(*PEAK, remote), which, tmp_path / "eval")
+        assert (judged["step"], judged["val/loss"]) == (step, logged[step])
+        # Both, whichever was asked: a later read of this home by the other name reads the right one.
+        assert sorted(number for number, _ in steps(checkpoint_dir)) == [best, 40]
+        assert (checkpoint_dir / BEST).read_text() == path_of(checkpoint_dir, best).name
+
+
+def damage(path) -> None:
+    """A flipped bit in the middle of `path`, its size kept."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_remote_checkpoint_is_skipped_in_one_line_and_none_that_checks_is_refused_in_one(
+    make_cfg, client, checkpoint_dir, tmp_path, caplog
+):
+    mounted = tmp_path / "mounted"
+    settings = [*PEAK, "trainer.val_every_n_steps=10", f"checkpoint.remote={mounted}"]
+    logged = val_losses(client, recipe.train(make_cfg(*settings))["run_id"])
+    best = max(logged, key=logged.get)
+    assert best < 30, "the best is an early checkpoint, not the newest"
+    there = mounted / "demo"
+    assert sorted(path.name for path in there.glob("step_*")) == [path_of(there, step).name for step in (best, 30, 40)]
+    for step in (40, best):
+        damage(path_of(there, step))
+
+    shutil.rmtree(checkpoint_dir)
+    caplog.clear()
+    judged = evaluate_checkpoint(make_cfg(*settings), "last", tmp_path / "eval")
+    assert (judged["step"], judged["val/loss"]) == (30, logged[30])
+    warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warned == [
+        f"skipping {there / path_of(there, step).name}: {path_of(there, step).name} is damaged: its content no longer "
+        f"matches the checksum written at save; {instead}"
+        for step, instead in (
+            (40, "falling back to an older one"),
+            (best, f"`best` names a checkpoint {checkpoint_dir} does not hold"),
+        )
+    ]
+    with pytest.raises(RunError, match=r"best names no checkpoint that is still there; pass another checkpoint"):
+        evaluate_checkpoint(make_cfg(*settings), "best", tmp_path / "eval")
+
+    # A best that is the damaged newest is not fetched twice, nor said twice.
+    (there / BEST).write_text(path_of(there, 40).name)
+    shutil.rmtree(checkpoint_dir)
+    caplog.clear()
+    assert evaluate_checkpoint(make_cfg(*settings), "last", tmp_path / "eval")["step"] == 30
+    assert len([record for record in caplog.records if record.levelno == logging.WARNING]) == 1
+
+    damage(path_of(there, 30))
+    shutil.rmtree(checkpoint_dir)
+    nothing = rf"holds no checkpoint of demo, nor checkpoint.remote={re.escape(str(mounted))} one that checks"
+    with pytest.raises(RunError, match=nothing):
+        evaluate_checkpoint(make_cfg(*settings), "last", tmp_path / "eval")
+
+
+def test_eval_py_on_a_machine_without_the_runs_home_reads_it_from_a_mounted_folder_by_name_or_as_last(project):
+    home, remote = project / "checkpoints" / "demo", f"checkpoint.remote={project / 'mounted'}"
+    settings = ["trainer.max_steps=20", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
+    trained = run_cli(project, *CPU, *settings, remote)
+    assert trained.returncode == 0, trained.stderr
+    client = store(project)
+    (run,) = runs_named(client, "demo")
+    logged = val_losses(client, run.info.run_id)[20]
+    for typed in (["checkpoint=last"], ["name=judge", "checkpoint=demo"]):
+        shutil.rmtree(home)
+        judged = run_cli(project, *CPU, *typed, remote, script="eval.py")
+        assert judged.returncode == 0, judged.stderr
+        assert printed(judged.stdout)["val/loss"] == logged
+        assert max(number for number, _ in steps(home)) == 20
+    assert not (project / "checkpoints" / "judge").exists()

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import stat
 
 import pytest
@@ -202,3 +203,23 @@ def test_shards_export_as_the_whole_model_and_a_crafted_metadata_is_refused(proj
         f"could run code; load only checkpoints this project wrote"
     )
     assert not marker.exists() and not (tmp_path / "crafted.safetensors").exists()
+
+
+def test_export_py_with_the_runs_home_gone_writes_from_the_remote_the_model_its_home_gave(project):
+    """`checkpoint=best` on a machine without the run's home: the best (an early checkpoint, not the
+    newest) fetched from checkpoint.remote, exported as the intact home exported it."""
+    home, remote = project / "checkpoints" / "demo", f"checkpoint.remote={project / 'mounted'}"
+    settings = ["trainer.max_steps=30", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
+    trained = run_cli(project, *CPU, *settings, "optimized_mode=max", "checkpoint.keep_last=1", remote)
+    assert trained.returncode == 0, trained.stderr
+    assert (home / BEST).read_text() != path_of(home, 30).name, "val/loss falls: its highest is at an early save"
+    exported = {}
+    for where in ("home", "remote"):
+        if where == "remote":
+            shutil.rmtree(home)
+        done = run_cli(project, *CPU, "checkpoint=best", f"out={where}.safetensors", remote, script="export.py")
+        assert done.returncode == 0, done.stderr
+        exported[where] = load_file(project / f"{where}.safetensors"), (project / f"{where}.json").read_text()
+    (here, described), (there, fetched) = exported["home"], exported["remote"]
+    assert here.keys() == there.keys() and all(torch.equal(here[key], there[key]) for key in here)
+    assert fetched == described

@@ -87,6 +87,9 @@ def test_typed_settings_win_even_at_their_defaults_and_derived_ones_follow_unles
     assert derived.strategy.type == "single", "where and how it runs is this command line's: one process here"
     assert (derived.trainer.max_steps, derived.optimizer.lr, derived.scheduler.total_steps) == (300, 3e-3, 300)
     assert resumed_from("scheduler.total_steps=100").scheduler.total_steps == 100
+    # Where its checkpoints are mirrored is this command line's too (none here), never the checkpoint's.
+    mirrored = resumed_from("checkpoint.remote=s3://bkt/runs", "checkpoint.remote_wait_s=100").checkpoint
+    assert (mirrored.remote, mirrored.remote_wait_s) == (None, 25)
 
 
 def test_run_eval_and_export_py_take_a_char_lm_run_by_its_name_alone(project, tmp_path):

@@ -157,3 +157,69 @@ def test_a_standby_warms_up_what_the_first_step_would_import_and_its_sender_at_t
     # The sender started ahead ended at once, in place of one that imports at the lowest priority.
     assert warmed.stdout.split() == [str(-signal.SIGKILL), "--idle", "True"], warmed.stderr
     assert warmed.stderr == ""  # nothing said of the sender that was never to be used
+
+
+# --- with checkpoint.remote ------------------------------------------------------------------------
+
+
+def test_a_standby_with_a_remote_takes_over_from_a_killed_leg_and_mirrors_what_it_trains(project, tmp_path):
+    """The killed leg's claim on the mounted folder went with its process: the standby takes the
+    run and its remote over, continues from the home (newer than the remote: nothing is fetched),
+    and its stop's checkpoint is remote."""
+    home, mounted = project / "checkpoints" / "demo", tmp_path / "mounted"
+    first = start(project, *ENDLESS, "checkpoint.every_n_steps=500", f"checkpoint.remote={mounted}")
+    wait_for_a_save(home, first)
+    second = start(project, *ENDLESS, "standby=true", f"checkpoint.remote={mounted}")
+    said = said_until(second, "standing by")
+    assert first.poll() is None
+    first.kill()
+    first.communicate()
+    newest = int((home / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
+    said += said_until(second, "resumed at step")
+    while not any(int(path.stem.removeprefix("step_")) > newest for path in (mounted / "demo" / "committed").iterdir()):
+        assert second.poll() is None, said + "".join(second.communicate())
+        time.sleep(0.05)  # until the standby's own first save is remote
+    second.send_signal(signal.SIGTERM)
+    out, err = second.communicate(timeout=120)
+    said += out + err
+    assert second.returncode == 128 + signal.SIGTERM, said
+    assert f"resumed at step {newest} on cpu" in said and "fetched" not in said and "Traceback" not in said
+    stopped = int(re.search(r"stopped at step (\d+) by SIGTERM", said)[1])
+    assert stopped > newest, said
+    assert f"remote: step_{stopped:08d}.pt is in {mounted / 'demo'}" in said, said
+    assert (mounted / "demo" / "committed" / f"step_{stopped:08d}.json").is_file()
+
+
+LOCKED = """
+import fcntl, sys
+with open(sys.argv[1], "r+b") as lock:
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("free")
+    except OSError:
+        print("held")
+"""
+
+
+def test_a_standby_that_fetches_from_the_remote_holds_its_home_until_it_ends(make_cfg, tmp_path, monkeypatch):
+    """Its home older than the remote (another machine trained on), the standby fetches into the
+    home it holds: the fetch's own claim of it must not free the lock, which is the process's."""
+    from {{cookiecutter.package}}.engine import train as recipe
+
+    here, there, mounted = tmp_path / "here", tmp_path / "there", tmp_path / "mounted"
+    common = ["name=demo", "mlflow.enabled=false", "device=cpu", "checkpoint.every_n_steps=10"]
+    common += [f"checkpoint.remote={mounted}"]
+    recipe.train(make_cfg(*common, "trainer.max_steps=10", f"checkpoint.dir={here}"))
+    recipe.train(make_cfg(*common, "trainer.max_steps=20", "resume=auto", f"checkpoint.dir={there}"))
+    seen, resumed = [], recipe.resumed
+
+    def seen_then_resumed(cfg, said):
+        probe = subprocess.run([sys.executable, "-c", LOCKED, str(here / "run.lock")], capture_output=True, text=True)
+        seen.append(probe.stdout.strip() or probe.stderr)
+        return resumed(cfg, said)
+
+    monkeypatch.setattr(recipe, "resumed", seen_then_resumed)
+    standing = make_cfg(*common, "trainer.max_steps=30", "resume=auto", "standby=true", f"checkpoint.dir={here}")
+    result = recipe.train(standing)
+    assert seen == ["held"] and result["step"] == 30
+    assert (here / "step_00000020.pt").is_file()  # fetched, and continued from

@@ -90,3 +90,11 @@ def test_a_sweep_job_with_another_every_s_is_the_same_job():
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=["checkpoint.every_s=60", "optimizer.lr=0.1"], return_hydra_config=True)
     assert cfg.hydra.job.override_dirname == "optimizer.lr=0.1"
+
+
+def test_a_run_saves_by_the_clock_by_default_every_five_minutes():
+    """A preempted machine's kill -9 loses at most about 300 s of training, whatever a step costs
+    (docs/preemptible-machines.md: the arithmetic), unless the project says otherwise."""
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        cfg = compose("config")
+    assert cfg.checkpoint.every_s == 300

@@ -60,11 +60,14 @@ class ContinuityConfig:
 class CheckpointConfig:
     dir: str = MISSING
     every_n_steps: int = MISSING
-    every_s: float | None = None  # also a save this long after the last (at a logging step); null: off
+    every_s: float | None = 300.0  # also a save this long after the last (at a logging step); null: off
     keep_last: int = MISSING
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
     async_save: bool = True  # written by a background thread while training goes on (checkpoint/background.py)
     keep_best: bool = True  # `best` names the checkpoint of the best optimized_metric; retention keeps it
+    remote: str | None = None  # a store's folder the home is mirrored to (checkpoint/remote_run.py); null: none
+    remote_wait_s: float = 25.0  # how long a run's end waits for its newest checkpoint to be remote
+    remote_lease_s: float = 60.0  # the remote claim's lease, renewed every third of it
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
 
 
@@ -153,14 +156,16 @@ def home_of(cfg: DictConfig, name: str) -> Path:
 
 
 def continuing(cfg: DictConfig, resume: str = "last") -> str:
-    """The words after `python run.py` that continue this run: its name, its home where the command
-    line set it (a resume takes checkpoint.dir from there, never from a checkpoint), and `resume=`.
+    """The words after `python run.py` that continue this run: its name, its home and remote copy
+    where the command line set them (a resume takes checkpoint.dir and checkpoint.remote from there,
+    never from a checkpoint), and `resume=`.
     A suggestion without the name would continue the configs' default run instead."""
     words = [f"name={typed(cfg.name)}"]
-    if HydraConfig.initialized() and any(
-        override.lstrip("+~").split("=", 1)[0] == "checkpoint.dir" for override in HydraConfig.get().overrides.task
-    ):
-        words.append(f"checkpoint.dir={typed(cfg.checkpoint.dir)}")
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    said = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
+    for key in ("checkpoint.dir", "checkpoint.remote"):
+        if key in said and OmegaConf.select(cfg, key) is not None:
+            words.append(f"{key}={typed(OmegaConf.select(cfg, key))}")
     return " ".join([*words, f"resume={typed(resume)}"])
 
 

@@ -203,7 +203,60 @@ ATTEMPT_STORE = "continuum/store of this attempt"
 
 
 @contextlib.contextmanager
-def store_of_this_attempt(rank: int, timeout: timedelta) -> Iterator[dist.Store | None]:
+def main_first(cfg: "Config", what: str) -> Iterator[Callable[[], None] | None]:
+    """Before the process group exists: the launch's rank 0 does `what` in the block while the other
+    processes wait at its start, until rank 0 calls the `done` it is given (they are given None); a
+    failure of rank 0's before that stops them too, in its line; none waits longer than
+    strategy.timeout_s. They meet in torchrun's store, in an attempt's own part of it
+    (store_of_this_attempt), which rank 0 keeps open for its block. One process does the block at
+    once; processes that torchrun did not start cannot meet before their group, and are refused."""
+    adopt_slurm_tasks()
+    size = launcher_number("WORLD_SIZE", 1)
+    if size == 1:
+        yield lambda: None
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        raise RunError(
+            f"rank 0 must {what} before the other {size - 1} processes start, and only processes that torchrun "
+            f"started can wait for it: start them with torchrun (under SLURM: srun torchrun ...)"
+        )
+    rank, timeout_s, post = launcher_number("RANK"), cfg.strategy.timeout_s, f"continuum/rank 0 first: {what}"
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        try:
+            with store_of_this_attempt(rank, timeout, post) as store:
+                store.wait([MAIN_SAID], timeout)
+                said = store.get(MAIN_SAID).decode()
+        except dist.DistError:
+            raise PeerLost(
+                f"rank 0 did not {what} within strategy.timeout_s={timeout_s} s, so this process stops; the reason "
+                f"is in rank 0's first lines"
+            ) from None
+        if said:
+            raise RunError(said)
+        yield None
+        return
+    told = []
+
+    def done() -> None:
+        store.set(MAIN_SAID, "")
+        told.append(True)
+
+    with store_of_this_attempt(0, timeout, post) as store:
+        try:
+            yield done
+        except BaseException as error:
+            if not told:  # failed before `done`: the others wait for this line
+                failed = f"rank 0 failed to {what}: {type(error).__name__}: {error}"
+                store.set(MAIN_SAID, str(error) if isinstance(error, RunError) else failed)
+            raise
+
+
+MAIN_SAID = "said"  # "" once rank 0's work is done, else the line its failure said
+
+
+@contextlib.contextmanager
+def store_of_this_attempt(rank: int, timeout: timedelta, post: str = ATTEMPT_STORE) -> Iterator[dist.Store | None]:
     """Under torchrun, the store for the process group to meet in: torchrun's own, under a prefix
     that no attempt before used; None elsewhere, where init_process_group's own rendezvous is new
     each time. torchrun hands every attempt of a job it restarts (--max-restarts) one store, which
@@ -211,7 +264,7 @@ def store_of_this_attempt(rank: int, timeout: timedelta) -> Iterator[dist.Store 
     processes that were gone or connected to their old addresses (pytorch/pytorch#135712), and
     torchrun's restart count cannot tell the attempts apart, for each node counts its own.
 
-    Rank 0 draws the prefix and posts it with the port of a small store it opens for the while:
+    Rank 0 draws the prefix and posts it, under `post`, with the port of a small store it opens for the while:
     a post whose port does not answer with that prefix is the attempt before's, and is read
     again until rank 0's new one is there. Rank 0 closes its store once every process has joined
     the group (the block), so that the group lives in torchrun's store, which outlives rank 0."""
@@ -224,11 +277,11 @@ def store_of_this_attempt(rank: int, timeout: timedelta) -> Iterator[dist.Store 
         token = secrets.token_hex(8)
         answers = dist.TCPStore(host, 0, is_master=True, timeout=timeout)
         answers.set("token", token)
-        torchruns.set(ATTEMPT_STORE, f"{answers.port} {token}")
+        torchruns.set(post, f"{answers.port} {token}")
         yield dist.PrefixStore(f"attempt {token}", torchruns)
         return
     while True:
-        port, token = torchruns.get(ATTEMPT_STORE).decode().split()
+        port, token = torchruns.get(post).decode().split()
         if answering(host, int(port), token, timeout):
             break
         if time.monotonic() > deadline:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # at run time too: the MLflow sender imports SIGNALS, and nev
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+FAILED = 1 << 8  # above every signal's number: one flag of `agreed` that the others' maximum keeps
 
 
 class Preemption:
@@ -37,6 +38,7 @@ class Preemption:
 
     def __init__(self, hook_timeout_s: float | None = None, continuation: Callable[[], str] | None = None) -> None:
         self.received: signal.Signals | None = None
+        self.failed: str | None = None  # why every process stops at once, unsaved (`agreed`)
         self.continuation = continuation
         self.hold = Hold(hook_timeout_s, continuation)
         self._previous: dict = {}
@@ -62,11 +64,16 @@ class Preemption:
             log.warning(f"stopped at once by a second Ctrl-C: nothing more is saved{then}")
             raise Stopped(signal.SIGINT, None) from None
 
-    def agreed(self, world: "World") -> bool:
+    def agreed(self, world: "World", failed: str | None = None) -> bool:
         """Whether any process has received a signal; then every process holds it in `received`.
         A collective step, taken by all processes at each step boundary, so that all stop at the
-        same step and save the same checkpoint."""
-        number = world.max(self.received or 0)
+        same step and save the same checkpoint. `failed`: why this process must stop without a save
+        (a run whose claim on checkpoint.remote another machine took, which rank 0 alone hears of);
+        then every process holds the first such reason in `failed`, and none the signal."""
+        number = world.max((self.received or 0) | (FAILED if failed else 0))
+        if number & FAILED:  # a second collective step, taken only then
+            self.failed = next(reason for reason in world.gather(failed) if reason)
+            return True
         if number:
             self.received = signal.Signals(number)
         return bool(number)

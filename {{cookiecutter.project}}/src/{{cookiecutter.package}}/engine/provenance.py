@@ -25,7 +25,7 @@ PARAM_NAME = re.compile(r"[\w\-. /]+")  # what MLflow admits in a param's name
 
 # Settings that say where a run keeps things, not what it trains: tags, so that the UI's compare
 # views and parallel coordinates show what differs in training.
-WHERE = ("checkpoint.dir", "mlflow.tracking_uri")
+WHERE = ("checkpoint.dir", "checkpoint.remote", "mlflow.tracking_uri")
 
 
 def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict[str, str], dict[str, str], str]:
@@ -61,7 +61,7 @@ def record(cfg: DictConfig, world: World, lineage: dict[str, str]) -> tuple[dict
     # A setting left null (off, or the library's default) is absent rather than "None": the compare
     # views then show only what some run sets (and, for a run without it, MLflow's "unknown").
     params = {key: value for key, value in params.items() if value != "None"}
-    tags.update({key: params.pop(key) for key in WHERE})
+    tags.update({key: params.pop(key) for key in WHERE if key in params})
     for key in [key for key in params if key.endswith("._target_")]:
         component = key.removesuffix("._target_")
         tags[key] = params.pop(key)

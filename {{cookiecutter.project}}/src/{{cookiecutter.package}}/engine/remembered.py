@@ -45,15 +45,19 @@ COMPONENTS = tuple(RUNTIME)
 # Which run, and where and how this command runs it, which this command line says whatever the
 # checkpoint holds: its name (a checkpoint of another run is refused, compatibility.check_same_run),
 # what it resumes and whether it stands by for it (standby.py), its home (where `resume=last` found
-# the checkpoint), whether the storage is trusted (checkpoint.verify), where it is tracked (a
-# project copied elsewhere logs to its own store, and a checkpoint sends no run to a store of its
-# choosing), and the device and strategy (the launch: a ddp or fsdp run resumes in one process with
-# plain `python run.py`, on any device).
+# the checkpoint) and its remote copy (checkpoint.remote, and how long that is waited for and held),
+# whether the storage is trusted (checkpoint.verify), where it is tracked (a project copied
+# elsewhere logs to its own store, and a checkpoint sends no run to a store of its choosing), and
+# the device and strategy (the launch: a ddp or fsdp run resumes in one process with plain
+# `python run.py`, on any device).
 OURS = {
     ("name",),
     ("resume",),
     ("standby",),
     ("checkpoint", "dir"),
+    ("checkpoint", "remote"),
+    ("checkpoint", "remote_wait_s"),
+    ("checkpoint", "remote_lease_s"),
     ("checkpoint", "verify"),
     ("mlflow",),
     ("device",),

@@ -6,6 +6,9 @@ changed of it leaves the model and the data the checkpoint was trained with.
 The run's home is read, never claimed: a run still training there goes on saving, and nothing in
 it is written, moved or set aside. A checkpoint is written whole before any name points at it, so
 what is read is whole; one that retention deletes while it is read fails its checks, in one line.
+On a machine where the run's home holds no checkpoint, a `checkpoint.remote=` typed fills it first
+from the run's remote folder (the newest checkpoint that checks, and its best: checkpoint/fetch.py),
+without a claim either: a run training elsewhere goes on.
 """
 
 import inspect
@@ -16,11 +19,12 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.home import BEST, has_checkpoints
-from .checkpoint.resume import at, found_by_main, locate
+from .checkpoint.remote_run import fetched_to_read
+from .checkpoint.resume import at, found_by_main, locate, run_named
 from .checkpoint.schema import Checkpoint
 from .components import RESERVED
-from .config import Config, check_resolved
-from .distributed import World
+from .config import Config, check_resolved, home_of
+from .distributed import World, launcher_number
 from .errors import RunError, listed, shown
 from .provenance import flatten
 from .remembered import CommandLine, trained
@@ -60,10 +64,16 @@ def where(cfg: DictConfig, which: str) -> Path:
     """What `checkpoint=<which>` names: `best` and `last` are the run's (`name=`), anything else a
     run's name or a path."""
     home, asked = Path(cfg.checkpoint.dir), f"checkpoint={which}"
+    if which in ("best", "last"):
+        fetched(cfg, cfg.name, home, asked)
+    elif run_named(which) and not Path(which).expanduser().exists():
+        fetched(cfg, which, home_of(cfg, which), asked)
     if which in ("best", "last") and not has_checkpoints(home):
+        remote = cfg.checkpoint.get("remote")
+        nor = f", nor checkpoint.remote={remote} one that checks" if remote is not None else ""
         raise RunError(
-            f"{asked}: {home} holds no checkpoint of {cfg.name}; train it first (python run.py name={cfg.name}), "
-            f"or pass checkpoint=<a checkpoint's path>"
+            f"{asked}: {home} holds no checkpoint of {cfg.name}{nor}; train it first (python run.py "
+            f"name={cfg.name}), or pass checkpoint=<a checkpoint's path>"
         )
     if which == "best" and not (home / BEST).exists():
         raise RunError(
@@ -71,6 +81,21 @@ def where(cfg: DictConfig, which: str) -> Path:
             f"checkpoint=last or a checkpoint's path"
         )
     return {"best": home / BEST, "last": home}.get(which) or locate(cfg, which)
+
+
+def fetched(cfg: DictConfig, run: str, home: Path, asked: str) -> None:
+    """With `checkpoint.remote`, the run `run`'s newest checkpoint that checks, and its best, fetched
+    into its `home` where that holds no checkpoint (remote_run.fetched_to_read). Not under torchrun:
+    each of its processes reads the home before they meet, and none would wait for another's fetch."""
+    if cfg.checkpoint.get("remote") is None or has_checkpoints(home):
+        return
+    if launcher_number("WORLD_SIZE", 1) > 1:
+        raise RunError(
+            f"{asked}: {home} holds no checkpoint of {run}, and processes of torchrun fetch none from "
+            f"checkpoint.remote: run the same command with python in place of torchrun first (it fetches them "
+            f"into {home}), then under torchrun"
+        )
+    fetched_to_read(cfg, run, home)
 
 
 def check_trained_alike(cfg: DictConfig, saved: Checkpoint) -> None:

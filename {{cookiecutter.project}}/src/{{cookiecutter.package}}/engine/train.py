@@ -13,9 +13,11 @@ import torch
 from omegaconf import DictConfig
 
 from . import compile_cache, components, continuity, distributed, param_groups, restarts, standby, strategies
-from .checkpoint import initial
+from .checkpoint import initial, remote_run
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
+from .checkpoint.mirror import Mirror
+from .checkpoint.remote_run import RemoteRun
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values, continuing
 from .data import DataError, Position, batches, build_data, build_loader, evaluation_loader
@@ -59,7 +61,8 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
     settings and what the command line `said` changed (remembered.py); without `said`, with `cfg`."""
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
     # A standby leg, started warm beside the leg that trains, waits here for that leg to end.
-    with standby.taking_over(cfg, said) as took_over:
+    # checkpoint.remote, held (and an empty home filled from it) by the command line's settings, before a resume's.
+    with standby.taking_over(cfg, said) as took_over, remote_run.held(cfg) as remote:
         # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
         cfg = resumed(cfg, said)
         check_values(cfg)
@@ -72,19 +75,20 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
             log.info(f"device: {describe(world.device)}; amp: {describe_amp(cfg.amp)}; {describe_world(world)}")
             if cfg.mlflow.enabled:
                 world.on_main(lambda: check_tracking_uri(cfg.mlflow))
-            return train_in(cfg, world, took_over)
+            return train_in(cfg, world, took_over, remote)
 
 
-def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
+def train_in(cfg: Config, world: World, began: float | None = None, remote: RemoteRun | None = None) -> dict:
     """Steps 2 to 11, in this process's place among the job's; this leg's time counts from `began`
-    (a standby's takeover), or from the process's start."""
+    (a standby's takeover), or from the process's start; its checkpoints mirrored to `remote`."""
     # 2. The checkpoint home, held by rank 0 until the run ends: a second run with the same name,
     #    a fresh run over saved checkpoints, or a folder that cannot take checkpoints, stops here,
     #    not at a save hours later. A run refused before it saves leaves the folder as it found it.
     home = Path(cfg.checkpoint.dir)
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
-        run, checkpoints, found = setup(cfg, world, home, began)
+        mirror = remote.mirroring(home, cfg.checkpoint.keep_last) if remote is not None else None  # rank 0's only
+        run, checkpoints, found = setup(cfg, world, home, began, mirror)
         if found and (run.step >= cfg.trainer.max_steps or run.monitor.stopped):  # a resume with nothing left to train
             return nothing_to_train(run, checkpoints)
 
@@ -98,7 +102,7 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
                     try:
-                        result = finish(run, checkpoints, fit(run, checkpoints, preemption), verdict)
+                        result = finish(run, checkpoints, fit(run, checkpoints, preemption, remote), verdict)
                     except CallbackError as error:  # raised on every process at once (hooks.py)
                         where, then = checkpoints.on_disk(), checkpoints.continuation()
                         if error.stopped is None:
@@ -118,6 +122,8 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
                 run.tracker.log_metrics(run.clock.totals(run.step), run.step)
                 run.tracker.finish(status)
                 run.clock.close(run.step)
+                if remote is not None:  # its account too, as the leg ends
+                    remote.settle()
 
     newest = checkpoints.path_of(run.step)
     if status == "KILLED":
@@ -147,10 +153,10 @@ def describe_world(world: World) -> str:
 
 
 def setup(
-    cfg: Config, world: World, home: Path, began: float | None = None
+    cfg: Config, world: World, home: Path, began: float | None = None, mirror: Mirror | None = None
 ) -> tuple[Run, Checkpointer, Checkpoint | None]:
     """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
-    the checkpoint `resume=` names (returned), and audited."""
+    the checkpoint `resume=` names (returned), and audited; its checkpoints handed to `mirror`."""
     strategy = strategies.choose(cfg, world)
     built = build(cfg, world, strategy)  # steps 3 and 4
     model = built.model
@@ -206,7 +212,7 @@ def setup(
         strategy,
         parts,
         ready=lambda: continuity.unsaveable(run),
-        saved=lambda step, state: run.tracker.log_checkpoint(state["probe"]["loss"], step),
+        saved=lambda step, state: saved(run, checkpoints, mirror, step, state),
         landed=lambda path: landed(run, home, path),
     )
     with run.clock.during("restore"):
@@ -246,6 +252,13 @@ def setup(
     return run, checkpoints, found
 
 
+def saved(run: Run, checkpoints: Checkpointer, mirror: Mirror | None, step: int, state: dict) -> None:
+    """A checkpoint is in its home (said by the thread that wrote it, so its upload starts now)."""
+    run.tracker.log_checkpoint(state["probe"]["loss"], step)
+    if mirror is not None and run.world.is_main:
+        mirror.landed(checkpoints.path_of(step))
+
+
 def landed(run: Run, home: Path, path: Path) -> None:
     """A checkpoint is on disk: the run's account of its time and the graphs compiled so far go
     beside it (for a restart on another machine); then the callbacks hear of it."""
@@ -274,7 +287,9 @@ def build(cfg: Config, world: World, strategy: strategies.Single) -> Evaluable:
     return Evaluable(cfg, world, strategy, data, task, val_loader, model, criterion, metrics)
 
 
-def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str, float]:
+def fit(
+    run: Run, checkpoints: Checkpointer, preemption: Preemption, remote: RemoteRun | None = None
+) -> dict[str, float]:
     """11. Trains to `trainer.max_steps`, a signal or an early stop (monitor.py); saves on
     schedule, each save validated for its rank (checkpoint.keep_best). A save that fails (a full
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
@@ -286,12 +301,12 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
     )
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
-    meter, loss, first = Throughput(run.task.unit), None, run.step
+    meter, loss, first, lost = Throughput(run.task.unit), None, run.step, None
     stepping = run.callbacks.stepping  # the one check a step pays for callbacks without a per-step hook
     run.callbacks.call("on_fit_start", run)
     run.clock.training(run.step)
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
-        while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world):
+        while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world, lost):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss, grad_norm, counted = train_step(run, micro_batches)
             if run.step == first:  # the optimizer's state exists now, and so does a layer built in forward
@@ -312,6 +327,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                 run.tracker.log_metrics({"train/loss": value, **lrs, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
                 run.clock.beat(run.step)
+                lost = remote.lost if remote is not None else None  # rank 0's; every rank stops at the next agreement
             if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
                 validate(run, loss.item())
                 run.monitor.observe()
@@ -321,6 +337,8 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption) -> dict[str
                     validate(run, loss.item())
                 with run.clock.during("save"):
                     checkpoints.try_save(run.step)
+    if preemption.failed:  # another machine took the run over: it trains it now
+        raise RunError(f"{preemption.failed}; this machine stops at step {run.step} and uploads nothing more")
     run.clock.ending()
     divergence.check(checkpoints.standing)
     # A run stopped before its first step trains nothing: no training loss or throughput to report.

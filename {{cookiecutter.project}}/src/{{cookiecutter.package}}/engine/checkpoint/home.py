@@ -10,8 +10,11 @@ import logging
 import math
 import os
 import re
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import CheckpointError
 from .files import (
@@ -72,17 +75,68 @@ def completed(path: Path, keep_last: int, score: dict | None = None) -> None:
     home = path.parent
     write_atomically(home / POINTER, lambda file: file.write(path.name.encode()), durable=False)
     sync_folder(home)
-    newest = [older for _, older in sorted(steps(home), reverse=True)]
-    kept = {older.name for older in newest[:keep_last]}
-    if score is not None:
-        try:
-            kept |= rank(home, {path.name: score}, score["metric"], score["mode"], kept)
-        except OSError as error:  # a full disk: the checkpoint is whole, and deletes wait for a ranking
-            log.warning(f"{path.name} is saved but not ranked ({error.strerror or error}); nothing is pruned for now")
-            return
-    for older in newest:
-        if older.name not in kept:
+    with _pruning:
+        newest = [older for _, older in sorted(steps(home), reverse=True)]
+        kept = {older.name for older in newest[:keep_last]} | _pinned(home)
+        if score is not None:
+            try:
+                kept |= rank(home, {path.name: score}, score["metric"], score["mode"], kept)
+            except OSError as error:  # a full disk: the checkpoint is whole, and deletes wait for a ranking
+                log.warning(
+                    f"{path.name} is saved but not ranked ({error.strerror or error}); nothing is pruned for now"
+                )
+                return
+        for older in newest:
+            if older.name not in kept:
+                remove(older)
+
+
+class Mirrored(Protocol):
+    """What mirrors a home elsewhere (mirror.py): the checkpoints it has not copied yet, which
+    retention keeps, and the step a resume restored, past which its copies are an abandoned future."""
+
+    def pinned(self) -> set[str]: ...
+
+    def resumed_at(self, step: int) -> None: ...
+
+
+# The mirror of each home, if any. Retention runs in the thread that wrote a checkpoint, and again in
+# the mirror's once a copy is remote; one at a time.
+_mirrors: dict[Path, Mirrored] = {}
+_pruning = threading.Lock()
+
+
+@contextlib.contextmanager
+def mirrored(home: Path, mirror: Mirrored) -> Iterator[None]:
+    """For the life of the block, retention in `home` keeps what `mirror` has not copied yet, and a
+    resume's set-aside tells it the step it resumed from."""
+    _mirrors[home.resolve()] = mirror
+    try:
+        yield
+    finally:
+        _mirrors.pop(home.resolve(), None)
+
+
+def _pinned(home: Path) -> set[str]:
+    mirror = _mirrors.get(home.resolve())
+    return mirror.pinned() if mirror is not None else set()
+
+
+def prune(home: Path, keep_last: int, released: set[str]) -> list[str]:
+    """Retention again for the checkpoints `released` from their pins, which `completed` kept: each
+    goes unless it is among the newest `keep_last`, is `best` or held apart by the ranking, or is
+    pinned still. Returns the names it removed."""
+    with _pruning:
+        newest = [older for _, older in sorted(steps(home), reverse=True)]
+        kept = {older.name for older in newest[:keep_last]} | _pinned(home)
+        if isinstance(ledger := _ledger(home), dict):
+            kept |= ledger["held"]
+        if (best := best_of(home)) is not None:
+            kept.add(best.name)
+        removed = [older for older in newest if older.name in released and older.name not in kept]
+        for older in removed:
             remove(older)
+    return [older.name for older in removed]
 
 
 def step_of(path: Path) -> int:
@@ -238,7 +292,9 @@ def _score(score: object) -> Score | None:
 def set_aside_newer(home: Path, step: int) -> Path | None:
     """Moves the checkpoints of `home` past `step` into a subfolder, and returns it: a run resumed
     from an earlier step must not be pruned away by, or lose `resume=last` to, the future it
-    abandons, and nothing saved is deleted."""
+    abandons, and nothing saved is deleted; nor, by its mirror (checkpoint.remote), their copies."""
+    if (mirror := _mirrors.get(home.resolve())) is not None:
+        mirror.resumed_at(step)
     newer = [path for number, path in steps(home) if number > step]
     if not newer:
         return None

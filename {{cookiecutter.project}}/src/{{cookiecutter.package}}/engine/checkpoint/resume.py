@@ -121,9 +121,14 @@ def locate(cfg: DictConfig, named: str) -> Path:
     """Where a checkpoint setting points: a plain name is a run's, its home (its newest valid
     checkpoint), when that run has saved; else, and for any other text, a path: a checkpoint file,
     a folder of shards, a home, or a home's `latest` or `best`."""
-    if "/" not in named and NAME.fullmatch(named) and homes.has_checkpoints(home := home_of(cfg, named)):
+    if run_named(named) and homes.has_checkpoints(home := home_of(cfg, named)):
         return home
     return Path(named).expanduser().absolute()
+
+
+def run_named(named: str) -> bool:
+    """Whether a checkpoint setting's text can be a run's name (`name=`'s, with no folder in it)."""
+    return "/" not in named and NAME.fullmatch(named) is not None
 
 
 def found_by_main(world: World, find_it: Callable[[], Checkpoint | None]) -> Checkpoint | None:

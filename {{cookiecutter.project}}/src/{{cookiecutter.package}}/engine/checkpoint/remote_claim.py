@@ -1,0 +1,198 @@
+"""The run's claim on its remote folder, so that two machines that resume the same run at once do
+not both train it: `<remote>/<name>/claim.json`, made with S3's conditional write (If-None-Match:
+only where there is none), renewed every third of its lease with another (If-Match: only where it
+is still the version this machine wrote), and released at the end. A claim whose lease ran out, by
+the store's own clock (its Date header less the object's Last-Modified: no two machines' clocks are
+compared), or whose holder was a process of this machine that ended, is taken over, by one machine
+only: a second conditional write loses. A machine whose
+claim was taken over learns it at its next renewal, and stops; the mirror renews right before each
+manifest, so that it publishes nothing after it lost the run.
+
+A mounted folder is claimed as a home is (claim.py: a POSIX lock on `run.lock`).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import RunError, shown
+from .claim import claim
+from .mirror import Lost
+from .remote import Conflict, Read, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+CLAIM = "claim.json"
+MOST_LEASE_S = 3600.0  # what a claim read from the store may say of its lease, at most
+RELEASE_S = 5.0  # a run's end waits no longer to release its claim: unreleased, it runs out
+
+
+class RemoteClaim:
+    """This machine's claim on `<store>/<run>/`, held and renewed in a daemon thread from `take` to
+    `release`. `lost`: why this machine no longer holds it, once it does not."""
+
+    def __init__(self, store: Store, run: str, home: Path, lease_s: float) -> None:
+        self.store, self.run, self.lease_s = store, run, lease_s
+        self.key, self.leg = f"{run}/{CLAIM}", uuid.uuid4().hex
+        self.at = store.at(run)
+        self._holder = {
+            "holder": f"PID {os.getpid()} on {socket.gethostname()}",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "home": str(home.absolute()),
+            "leg": self.leg,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "lease_s": lease_s,
+            "released": False,
+        }
+        self._etag: str | None = None
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self.lost: str | None = None
+
+    def take(self) -> None:
+        """Holds the run's folder, or raises a RunError naming the machine that does."""
+        body = json.dumps(self._holder).encode()
+        for _ in range(8):  # each round lost to another machine's conditional write: read it again
+            try:
+                self._etag = self.store.put_bytes(self.key, body, create=True)
+                break
+            except Conflict:
+                pass
+            try:
+                found = self.store.read(self.key)
+            except FileNotFoundError:  # released by a delete in between
+                continue
+            holder = _holder(found)
+            lease = holder["lease_s"] if holder else self.lease_s
+            if not (holder is None or holder["released"] or found.age_s > lease or _ended_here(holder)):
+                raise RunError(
+                    f"{self.at} is in use by {_who(holder)} (lease renewed {found.age_s:.0f} s ago, runs out in "
+                    f"{lease - found.age_s:.0f} s); wait for that run to end (or stop it), or train separately with "
+                    f"name=<another name>"
+                )
+            try:
+                self._etag = self.store.put_bytes(self.key, body, if_match=found.etag)
+            except Conflict:
+                continue
+            if holder is not None and not holder["released"]:
+                why = "which ended" if _ended_here(holder) else f"whose lease ran out {found.age_s - lease:.0f} s ago"
+                log.warning(f"took over {self.at} from {_who(holder)}, {why}")
+            break
+        else:
+            raise RunError(f"{self.at}: the claim kept changing under this machine's writes; run again")
+        threading.Thread(target=self._renewing, name="checkpoint-claim", daemon=True).start()
+
+    def renew(self) -> None:
+        """The claim's lease, started again; Lost where another machine holds the run now. A store
+        that does not answer delays the renewal (StoreError)."""
+        with self._lock:
+            if self.lost is not None:
+                raise Lost(self.lost)
+            try:
+                self._etag = self.store.put_bytes(self.key, json.dumps(self._holder).encode(), if_match=self._etag)
+            except Conflict:
+                found = self._found()
+                holder = found and _holder(found)
+                if holder is not None and holder.get("leg") == self.leg:  # a renewal that timed out here, yet landed
+                    self._etag = found.etag
+                    return
+                self.lost = f"lost the claim on {self.at} to {_who(holder) if found else 'another machine'}"
+                raise Lost(self.lost) from None
+
+    def release(self) -> None:
+        """The claim, marked released (a conditional PUT: more stores take it than a conditional
+        DELETE), unless another machine holds it by now."""
+        self._ended.set()
+        with self._lock:
+            if self.lost is not None or self._etag is None:
+                return
+            try:
+                released = json.dumps({**self._holder, "released": True}).encode()
+                self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
+            except StoreError as error:
+                log.warning(f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after")
+
+    def _renewing(self) -> None:
+        while not self._ended.wait(self.lease_s / 3):
+            try:
+                self.renew()
+            except Lost as lost:
+                log.warning(f"{lost}; this machine stops at its next logging step")
+                return
+            except StoreError:  # an outage delays the renewal; another machine may take the run meanwhile
+                continue
+
+    def _found(self) -> Read | None:
+        try:
+            return self.store.read(self.key)
+        except (StoreError, FileNotFoundError):
+            return None
+
+
+def _holder(found: Read) -> dict | None:
+    """The claim in `found`, if it is one this module writes (data from another machine)."""
+    try:
+        holder = json.loads(found.data)
+    except (ValueError, RecursionError):
+        return None
+    if not (
+        isinstance(holder, dict)
+        and isinstance(holder.get("holder"), str)
+        and isinstance(holder.get("home"), str)
+        and type(holder.get("released")) is bool
+        and type(holder.get("lease_s")) in (int, float)
+        and 0 < holder["lease_s"] <= MOST_LEASE_S
+    ):
+        return None
+    return holder
+
+
+def _ended_here(holder: dict) -> bool:
+    """Whether the claim's holder was a process of this machine that is gone (a kill -9, and the
+    job's next leg, or a standby, on the same machine): no need to wait for its lease."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _who(holder: dict | None) -> str:
+    if holder is None:
+        return "a claim this project did not write"
+    return f"{shown(holder['holder'][:200])} (home {shown(holder['home'][:300])})"
+
+
+@contextlib.contextmanager
+def held(store: Store, run: str, home: Path, lease_s: float) -> Iterator[RemoteClaim | None]:
+    """The run's folder in `store`, held for the block: by a RemoteClaim on S3, by a lock on a
+    mounted folder; elsewhere (gs://, az://) not at all, said once."""
+    if store.folder is not None:
+        with claim(store.folder / run):
+            yield None
+        return
+    if not store.conditional:
+        log.warning(
+            f"{store.url} takes no conditional writes that this project uses: a second machine on it is not stopped"
+        )
+        yield None
+        return
+    remote = RemoteClaim(store, run, home, lease_s)
+    remote.take()
+    try:
+        yield remote
+    finally:
+        remote.release()

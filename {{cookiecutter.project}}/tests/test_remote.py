@@ -1,0 +1,872 @@
+"""checkpoint.remote: the run's home mirrored to an object store or a mounted folder, and continued
+from there on a new machine (docs/preemptible-machines.md). The S3 tests run against a real S3 API
+server on localhost (moto's), which s3fs and boto3 speak to as to a cloud store; they are skipped
+where s3fs (the `remote` extra) or moto is not installed (`pip install 'moto[s3]' flask flask-cors`)."""
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hold, losses, run_cli, start, wait_for_a_save
+from omegaconf import OmegaConf
+
+from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.checkpoint import home as homes
+from {{cookiecutter.package}}.engine.checkpoint import manifest, onefile, remote_run
+from {{cookiecutter.package}}.engine.checkpoint.fetch import fetch
+from {{cookiecutter.package}}.engine.checkpoint.mirror import Lost, Mirror
+from {{cookiecutter.package}}.engine.checkpoint.remote import Conflict, Store, StoreError
+from {{cookiecutter.package}}.engine.checkpoint.remote_claim import RemoteClaim
+from {{cookiecutter.package}}.engine.checkpoint.remote_url import checked
+from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
+from {{cookiecutter.package}}.engine.errors import RunError
+
+RUN = "demo"
+SECRET = "sekrit-" + uuid.uuid4().hex[:8]
+LINE = re.compile(r"Running on (http://127\.0\.0\.1:\d+)")
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stops answering, its objects kept (a restart would lose its buckets)."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.process.pid, signal.SIGCONT)
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives a killed pytest
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """moto's S3 server on a free port of localhost, for the session (one per xdist worker)."""
+    pytest.importorskip("s3fs", reason="pip install -e '.[remote]'")
+    pytest.importorskip("moto.server", reason="an S3 server on localhost: pip install 'moto[s3]' flask flask-cors")
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+            stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while (found := LINE.search(log.read_text())) is None:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"moto's server did not start within 60 s: {log.read_text()}"
+            time.sleep(0.02)
+        yield Server(found[1], process)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def s3_env(s3_server: Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment a cloud machine's credentials come from, pointed at the server."""
+    values = {
+        "AWS_ENDPOINT_URL": s3_server.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,  # moto takes any: a secret that must show nowhere
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    return values
+
+
+@pytest.fixture
+def bucket(s3_env) -> tuple[str, object]:
+    """A fresh bucket, and boto3's client: the URL `s3://<bucket>/runs`, and a client that
+    sees the store as another program would."""
+    import boto3
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=name)
+    return f"s3://{name}/runs", s3
+
+
+def keys(s3, url: str) -> set[str]:
+    """The objects under the run's folder, as boto3 lists them, relative to it."""
+    bucket_name, prefix = url.removeprefix("s3://").split("/", 1)
+    prefix = f"{prefix}/{RUN}/"
+    found = s3.list_objects_v2(Bucket=bucket_name, Prefix=prefix).get("Contents", [])
+    return {entry["Key"].removeprefix(prefix) for entry in found}
+
+
+def state(step: int) -> dict:
+    """A complete checkpoint of format 3, small."""
+    return {
+        "format_version": 3, "step": step, "config": {"name": RUN}, "device": {"type": "cpu"}, "amp": {},
+        "versions": {},
+        "model": {"w": torch.full((64,), float(step))}, "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"last_epoch": step}, "scaler": {}, "position": {"epoch": 0, "sample": 0},
+        "probe": {"indices": [], "loss": 0.0}, "tracker": {"run_id": None}, "monitor": {"waited": 0},
+        "rng": {"ranks": []},
+    }  # fmt: skip
+
+
+def save(mirror: Mirror, home: Path, step: int, keep_last: int) -> Path:
+    """What the Checkpointer does at a save: the file in its home, retention, then the mirror told."""
+    path = onefile.save(state(step), home, keep_last)
+    mirror.landed(path)
+    return path
+
+
+def store_of(remote: str) -> Store:
+    return Store(remote, deadline_s=5)
+
+
+# --- the URL ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"s3://AKIAEXAMPLE:{SECRET}@bkt/runs",
+        f"s3://{SECRET}@bkt/runs",
+        f"s3://bkt/runs?X-Amz-Signature={SECRET}",
+        f"az://container/runs?sv=2024&sig={SECRET}",
+        f"gs://bkt/runs#{SECRET}",
+        f"simplecache::{SECRET}::s3://bkt/runs",
+        f"file:///tmp/runs?{SECRET}",
+    ],
+)
+def test_a_url_that_carries_a_credential_is_refused_in_one_line_that_does_not_repeat_it(url, monkeypatch):
+    import fsspec
+
+    monkeypatch.setattr(fsspec, "filesystem", lambda *a, **k: pytest.fail("fsspec was called"))
+    with pytest.raises(RunError) as refused:
+        Store(url)
+    said = str(refused.value)
+    assert SECRET not in said and "\n" not in said
+    assert said.startswith("checkpoint.remote=") and "credentials come from the store's own environment" in said
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://bkt/runs", "gs://bkt/runs", "az://container@account/runs", "/mnt/shared/runs", "file:///mnt/runs"]
+)
+def test_a_stores_folder_without_credentials_is_accepted(url):
+    assert checked(url) == url
+
+
+def test_a_store_whose_package_is_missing_is_refused_naming_what_to_install(monkeypatch):
+    import fsspec
+
+    def absent(protocol, **options):
+        raise ImportError(f"Install s3fs to access {protocol}")
+
+    monkeypatch.setattr(fsspec, "filesystem", absent)
+    with pytest.raises(RunError) as refused:
+        Store("s3://bkt/runs")
+    assert str(refused.value) == (
+        "checkpoint.remote=s3://bkt/runs needs the package s3fs: pip install s3fs (or the project's extra: pip install "
+        "-e '.[remote]')"
+    )
+
+
+def test_a_url_of_no_store_is_refused_naming_what_is():
+    with pytest.raises(RunError, match=r"^checkpoint.remote=http://host/runs is not a store's folder; give s3://"):
+        Store("http://host/runs")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run.py", f"checkpoint.remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["eval.py", "checkpoint=last", f"checkpoint.remote='s3://bkt/runs?X-Amz-Signature={SECRET}'"],
+        ["export.py", "checkpoint=last", f"checkpoint.remote=s3://{SECRET}@bkt/runs"],
+        ["run.py", "-m", f"checkpoint.remote=s3://bkt/a,s3://AKIAEXAMPLE:{SECRET}@bkt/b"],  # one of a sweep's
+    ],
+    ids=["run", "eval", "export", "sweep"],
+)
+def test_a_typed_url_with_a_credential_is_refused_before_hydra_writes_the_command_line_down(project, command):
+    script, *overrides = command
+    refused = run_cli(project, *overrides, script=script)
+    assert refused.returncode == 2, refused.stderr
+    said = refused.stdout + refused.stderr
+    assert said.strip().startswith("error: checkpoint.remote=s3://bkt/") and said.strip().count("\n") == 0, said
+    assert SECRET not in said
+    written = [path for path in project.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
+    assert written == []  # Hydra's .hydra/overrides.yaml and multirun.yaml are written after the check
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+
+def test_a_call_to_a_server_that_stopped_answering_fails_within_its_deadline_and_works_once_it_answers(
+    bucket, s3_server
+):
+    remote, s3 = bucket
+    store = Store(remote, deadline_s=2)
+    with s3_server.paused():
+        began = time.monotonic()
+        with pytest.raises(StoreError) as failed:
+            store.put_bytes("demo/x", b"1")  # s3fs alone waits for ever on a PUT to a stopped server
+        took = time.monotonic() - began
+    assert failed.value.transient and "no answer within 2 s" in str(failed.value)
+    assert took < 4, took
+    store.put_bytes("demo/x", b"2")
+    assert keys(s3, remote) == {"x"}
+
+
+def test_conditional_writes_make_an_object_once_and_replace_only_the_version_read(bucket):
+    remote, s3 = bucket
+    store = store_of(remote)
+    first = store.put_bytes("demo/claim.json", b"1", create=True)
+    with pytest.raises(Conflict):
+        store.put_bytes("demo/claim.json", b"2", create=True)
+    second = store.put_bytes("demo/claim.json", b"3", if_match=first)
+    with pytest.raises(Conflict):
+        store.put_bytes("demo/claim.json", b"4", if_match=first)
+    read = store.read("demo/claim.json")
+    assert (read.data, read.etag) == (b"3", second) and 0 <= read.age_s < 60
+
+
+def test_a_missing_bucket_is_a_store_error_that_names_it_and_no_retry_will_fix(s3_env):
+    with pytest.raises(StoreError, match=r"^s3://t-nobucket-here/runs/demo/x: the bucket does not exist$") as failed:
+        store_of("s3://t-nobucket-here/runs").put_bytes("demo/x", b"1")
+    assert not failed.value.transient
+
+
+def test_a_copy_into_a_mounted_folder_that_fails_midway_leaves_nothing_under_its_name(tmp_path, monkeypatch):
+    source = tmp_path / "big.bin"
+    source.write_bytes(bytes(1000))
+    store = Store(str(tmp_path / "remote"))
+    real = __import__("shutil").copyfileobj
+
+    def half_then_fail(reader, writer, length=0):
+        writer.write(reader.read(500))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("shutil.copyfileobj", half_then_fail)
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.put_file(source, "demo/big.bin")
+    assert sorted(p.name for p in (tmp_path / "remote" / "demo").iterdir()) == []
+    monkeypatch.setattr("shutil.copyfileobj", real)
+    store.put_file(source, "demo/big.bin")
+    assert store.list("demo") == {"big.bin": 1000}
+
+
+# --- the mirror ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["s3", "folder"])
+def remote(request, tmp_path) -> str:
+    """The remote folder: a bucket's, or a mounted folder's path."""
+    if request.param == "folder":
+        return str(tmp_path / "mounted")
+    return request.getfixturevalue("bucket")[0]
+
+
+def listed(remote: str) -> set[str]:
+    return set(store_of(remote).list(RUN))
+
+
+def test_each_checkpoint_is_uploaded_with_its_manifest_last_and_the_home_beside_it(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    order = []
+    real_put_file, real_put_bytes = store.put_file, store.put_bytes
+    store.put_file = lambda local, key: (order.append(key), real_put_file(local, key))[1]
+    store.put_bytes = lambda key, data, **conditions: (order.append(key), real_put_bytes(key, data, **conditions))[1]
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20):
+        save(mirror, home, step, keep_last=3)
+        assert mirror.wait_for(step, 30)
+    (home / "goodput.json").write_text('{"legs": []}')
+    said = mirror.settle(30)
+    assert said.startswith(f"remote: step_00000020.pt is in {store.url}/{RUN} (uploaded ")
+    assert listed(remote) >= {
+        "step_00000010.pt", "step_00000020.pt", "committed/step_00000010.json", "committed/step_00000020.json",
+        "latest", "goodput.json",
+    }  # fmt: skip
+    for step in (10, 20):  # each checkpoint's objects, then its manifest
+        name = f"step_{step:08d}.pt"
+        assert order.index(f"{RUN}/{name}") < order.index(f"{RUN}/committed/step_{step:08d}.json")
+        described = json.loads(store.get_bytes(f"{RUN}/committed/step_{step:08d}.json"))
+        assert described["seal"] == onefile.seal(home / name)
+        assert described["files"] == {name: (home / name).stat().st_size}
+    assert store.get_bytes(f"{RUN}/latest") == b"step_00000020.pt"
+    assert store.get_bytes(f"{RUN}/goodput.json") == b'{"legs": []}'
+
+
+def test_retention_prunes_the_remote_copies_of_what_it_pruned_and_nothing_it_did_not_write(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    store.put_bytes(f"{RUN}/notes.txt", b"mine")
+    stray = tmp_path / "stray.pt"
+    onefile.write(state(5), stray)
+    store.put_file(stray, f"{RUN}/step_00000005.pt")  # a checkpoint without a manifest: not this run's to delete
+    mirror = Mirror(store, RUN, home, keep_last=2, leg="leg-1", known={})
+    for step in range(10, 60, 10):
+        save(mirror, home, step, keep_last=2)
+        assert mirror.wait_for(step, 30)
+    mirror.settle(30)
+    assert sorted(path.name for _, path in homes.steps(home)) == ["step_00000040.pt", "step_00000050.pt"]
+    checkpoints = {key for key in listed(remote) if key.startswith(("step_", "committed/"))}
+    assert checkpoints == {
+        "step_00000005.pt", "step_00000040.pt", "step_00000050.pt",
+        "committed/step_00000040.json", "committed/step_00000050.json",
+    }  # fmt: skip
+    assert store.get_bytes(f"{RUN}/notes.txt") == b"mine"
+
+
+def test_retention_of_folder_checkpoints_in_a_mounted_folder_leaves_no_empty_folder_but_keeps_foreign_files(tmp_path):
+    home, mounted = tmp_path / "home", tmp_path / "mounted"
+    mirror = Mirror(Store(str(mounted)), RUN, home, keep_last=1, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        folder = homes.path_of(home, step, folder=True)
+        folder.mkdir(parents=True)
+        onefile.write(state(step), folder / "state.pt")
+        (folder / "__0_0.distcp").write_bytes(bytes(step))
+        homes.completed(folder, keep_last=1)
+        mirror.landed(folder)
+        assert mirror.wait_for(step, 30)
+        if step == 10:
+            (mounted / RUN / "step_00000010" / "notes.txt").write_text("mine")
+    mirror.settle(30)
+    assert sorted(path.name for path in (mounted / RUN).iterdir() if path.name.startswith("step_")) == [
+        "step_00000010", "step_00000030"
+    ]  # fmt: skip
+    assert [path.name for path in (mounted / RUN / "step_00000010").iterdir()] == ["notes.txt"]
+    assert sorted(path.name for path in (mounted / RUN / "step_00000030").iterdir()) == ["__0_0.distcp", "state.pt"]
+
+
+def test_while_the_store_is_down_training_saves_on_local_copies_wait_and_the_uploads_arrive_after(
+    bucket, s3_server, tmp_path, caplog
+):
+    remote, s3 = bucket
+    home, store = tmp_path / "home", Store(remote, deadline_s=1)
+    mirror = Mirror(store, RUN, home, keep_last=1, leg="leg-1", known={})
+    save(mirror, home, 10, keep_last=1)
+    assert mirror.wait_for(10, 30)
+    with s3_server.paused():
+        for step in (20, 30, 40):
+            save(mirror, home, step, keep_last=1)  # each returns at once: no save waits for the store
+        # keep_last=1, yet none goes before a copy remote covers it (step 10's is remote: it went)
+        assert sorted(step for step, _ in homes.steps(home)) == [20, 30, 40]
+        assert not mirror.wait_for(40, 1.5)
+    assert mirror.wait_for(40, 30)
+    said = mirror.settle(30)
+    assert said.startswith("remote: step_00000040.pt is in ")
+    assert sorted(step for step, _ in homes.steps(home)) == [40], "released once the newest is remote"
+    assert {key for key in keys(s3, remote) if key.startswith("committed/")} == {"committed/step_00000040.json"}
+    # From two threads: the disk's warning once; the store's once an outage (a call slower than its
+    # deadline on a loaded machine, before the pause, is one more).
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    crowded = (
+        f"2 checkpoints wait for {store.url}/{RUN}, more than checkpoint.keep_last=1: the home keeps each until a "
+        "newer one is remote"
+    )
+    outages = [said for said in warned if said.endswith("training goes on, and uploads are retried")]
+    assert warned.count(crowded) == 1 and outages and len(warned) == 1 + len(outages), warned
+
+
+def test_a_stop_with_the_store_down_waits_only_its_bound_and_says_what_is_not_remote(bucket, s3_server, tmp_path):
+    remote, _ = bucket
+    home, store = tmp_path / "home", Store(remote, deadline_s=30)
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    save(mirror, home, 10, keep_last=3)
+    assert mirror.wait_for(10, 30)
+    with s3_server.paused():
+        save(mirror, home, 20, keep_last=3)
+        began = time.monotonic()
+        said = mirror.settle(1.5)
+        took = time.monotonic() - began
+    assert 1.4 < took < 3, took
+    assert said == (
+        f"remote: step_00000020.pt is not in {store.url}/{RUN} within checkpoint.remote_wait_s=1.5 (still uploading); "
+        f"the newest checkpoint there is step_00000010.pt, and step_00000020.pt stays in {home}"
+    )
+
+
+# --- a new machine ------------------------------------------------------------------------------
+
+
+def test_a_new_machine_fetches_the_newest_checkpoint_that_checks_and_the_runs_account(remote, tmp_path, caplog):
+    home, store = tmp_path / "home", store_of(remote)
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(mirror, home, step, keep_last=3)
+        assert mirror.wait_for(step, 30)
+    (home / "goodput.json").write_text('{"legs": []}')
+    mirror.settle(30)
+    damaged = tmp_path / "damaged.pt"
+    data = bytearray((home / "step_00000030.pt").read_bytes())
+    data[len(data) // 2] ^= 1  # a flipped bit, the same size
+    damaged.write_bytes(bytes(data))
+    store.put_file(damaged, f"{RUN}/step_00000030.pt")
+    store.delete(f"{RUN}/step_00000020.pt")  # gone: its manifest names an object that is not there
+
+    elsewhere = tmp_path / "new-machine"
+    elsewhere.mkdir()
+    fetched = fetch(store, RUN, elsewhere, manifest.committed(store, RUN))
+    assert fetched == elsewhere / "step_00000010.pt"
+    assert newest_valid(elsewhere).state["step"] == 10
+    assert (elsewhere / "goodput.json").read_text() == '{"legs": []}'
+    assert (elsewhere / "latest").read_text() == "step_00000010.pt"
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["goodput.json", "latest", "step_00000010.pt"]
+    warned = " | ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert (
+        f"skipping {store.url}/{RUN}/step_00000030.pt: step_00000030.pt is damaged: its content no longer matches the "
+        "checksum written at save; falling back to an older one"
+    ) in warned
+    assert "its object step_00000020.pt is missing or of another size" in warned
+
+
+def held(home: Path, remote: str, resume: str | None, wait_s: float = 5, lease_s: float = 60):
+    """remote_run.held, as the recipe enters it, for a run of `home` and `remote`."""
+    settings = {"dir": str(home), "remote": remote, "remote_wait_s": wait_s, "remote_lease_s": lease_s}
+    return remote_run.held(OmegaConf.create({"name": RUN, "resume": resume, "checkpoint": settings}))
+
+
+def test_a_machine_back_with_a_home_older_than_the_remote_continues_from_the_remote(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(mirror, home, step, keep_last=3)
+    mirror.settle(30)
+    back = tmp_path / "back"
+    onefile.save(state(10), back, keep_last=3)  # what its disk held when it was preempted
+    with held(back, remote, "auto"):
+        assert sorted(step for step, _ in homes.steps(back)) == [10, 30]
+    assert newest_valid(back).step == 30
+
+
+def test_the_multipart_uploads_an_earlier_leg_left_incomplete_are_aborted_and_no_others(bucket, tmp_path):
+    remote, s3 = bucket
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    for key in (f"{prefix}/{RUN}/step_00000020.pt", f"{prefix}/other/step_00000020.pt"):
+        upload = s3.create_multipart_upload(Bucket=bucket_name, Key=key)
+        s3.upload_part(Bucket=bucket_name, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1000)
+    with held(tmp_path / "home", remote, "auto"):
+        pass
+    left = s3.list_multipart_uploads(Bucket=bucket_name).get("Uploads", [])
+    assert [upload["Key"] for upload in left] == [f"{prefix}/other/step_00000020.pt"]
+
+
+def test_a_resume_from_an_earlier_step_sets_the_newer_remote_checkpoints_aside_before_uploading(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(first, home, step, keep_last=3)
+    first.settle(30)
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 10)  # what a resume from step 10 does to the home
+    save(second, home, 20, keep_last=3)  # the new line's step 20: not the abandoned one
+    second.settle(30)
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    assert json.loads(store.get_bytes(f"{RUN}/committed/step_00000020.json"))["leg"] == "leg-2"
+    aside = {key for key in store.list(RUN) if key.startswith("set-aside-")}
+    folder = next(iter(aside)).split("/")[0]
+    assert re.fullmatch(r"set-aside-\d{8}-\d{6}-after-step-10", folder)
+    assert aside == {
+        f"{folder}/{key}"
+        for key in (
+            "step_00000020.pt",
+            "step_00000030.pt",
+            "committed/step_00000020.json",
+            "committed/step_00000030.json",
+        )
+    }
+    moved = json.loads(store.get_bytes(f"{RUN}/{folder}/committed/step_00000030.json"))
+    assert (
+        moved["leg"] == "leg-1"
+        and store.list(f"{RUN}/{folder}")["step_00000030.pt"] == moved["files"]["step_00000030.pt"]
+    )
+
+
+def test_a_resume_uploads_the_checkpoint_it_restored_where_the_leg_before_died_before_uploading_it(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    save(first, home, 10, keep_last=3)
+    first.settle(30)
+    onefile.save(state(20), home, keep_last=3)  # saved; killed before its upload began
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 20)  # what a resume from step 20 does
+    second.settle(30)
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+
+
+def test_a_reader_of_a_run_by_name_fetches_its_newest_checkpoint_into_an_empty_home_only(remote, tmp_path):
+    home, store = tmp_path / "home", store_of(remote)
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20):
+        save(mirror, home, step, keep_last=3)
+    mirror.settle(30)
+    cfg = OmegaConf.create({"checkpoint": {"remote": remote}})
+    elsewhere = tmp_path / "elsewhere" / RUN
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere) == elsewhere / "step_00000020.pt"
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere) is None  # a home with checkpoints is read as it is
+    assert remote_run.fetched_to_read(OmegaConf.create({"checkpoint": {"remote": None}}), RUN, tmp_path / "x") is None
+    assert remote_run.fetched_to_read(cfg, "no-such-run", tmp_path / "y") is None  # a name no run has
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    run = tmp_path / "mounted" / RUN
+    (run / "step_00000020").mkdir(parents=True)
+    left = [run / "step_00000020" / "__0_0.distcp.4711-0a1b2c3d.tmp", run / "committed.4711-0a1b2c3d.tmp"]
+    kept = [run / "step_00000020" / "notes.tmp", run / "step_00000010.pt"]
+    for path in left + kept:
+        path.write_bytes(b"x")
+    with held(tmp_path / "home", str(tmp_path / "mounted"), "auto"):
+        pass
+    assert [path.exists() for path in left + kept] == [False, False, True, True]
+    assert f"aborted 2 upload(s) to {run} that an earlier leg left incomplete" in caplog.text
+
+
+def test_resume_last_with_no_checkpoint_here_or_there_is_refused_naming_both(remote, tmp_path):
+    home = tmp_path / "home"
+    with pytest.raises(RunError) as refused, held(home, remote, "last"):
+        pass
+    assert str(refused.value) == (
+        f"resume=last found no valid checkpoint in {home} nor in {store_of(remote).url}/{RUN}; train without resume "
+        "first, or pass resume=auto to start fresh when there is none"
+    )
+
+
+@pytest.mark.parametrize("wait_s, lease_s", [(-1, 60), (25, 0)])
+def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s):
+    with pytest.raises(RunError) as refused, held(tmp_path / "home", str(tmp_path / "m"), "auto", wait_s, lease_s):
+        pass
+    assert str(refused.value) == (
+        f"checkpoint.remote_wait_s={wait_s} must not be negative, and checkpoint.remote_lease_s={lease_s} must be "
+        "positive (seconds)"
+    )
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_mounted_folder_is_held_by_its_lock_and_is_never_the_home_itself(tmp_path):
+    mounted = tmp_path / "mounted"
+    holder = hold(mounted / RUN)
+    try:
+        with (
+            pytest.raises(RunError, match=rf"^{mounted / RUN} is in use by PID {holder.pid} on "),
+            held(tmp_path / "home", str(mounted), "auto"),
+        ):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with (
+        pytest.raises(RunError, match=r"holds the run's home .*, or lies in it: give a folder elsewhere"),
+        held(mounted / RUN, str(mounted), "auto"),
+    ):
+        pass
+
+
+def test_a_manifest_from_elsewhere_is_read_as_data():
+    good = {
+        "format": 1, "run": RUN, "step": 10, "kind": "file", "seal": "crc32c:0123abcd",
+        "files": {"step_00000010.pt": 5}, "leg": "x", "written": "now",
+    }  # fmt: skip
+    assert manifest.parse(json.dumps(good).encode(), RUN, 10) == good
+    assert manifest.parse(json.dumps(good).encode(), "other", 10) == f"is not the manifest of step 10 of {'other'!r}"
+    escape = {**good, "kind": "folder", "files": {"../../etc/passwd": 5, "state.pt": 1}}
+    assert manifest.parse(json.dumps(escape).encode(), RUN, 10) == "names files outside its checkpoint"
+    assert manifest.parse(b"[" * 100_000, RUN, 10) == "is not JSON"
+    assert manifest.parse(bytes(2**20 + 1), RUN, 10) == f"is larger than {2**20} bytes"
+
+
+# --- one machine at a time ----------------------------------------------------------------------
+
+
+def test_a_second_machine_is_refused_naming_the_first_and_takes_over_once_its_lease_ran_out(bucket, tmp_path, caplog):
+    remote, _ = bucket
+    store = store_of(remote)
+    first = RemoteClaim(store, RUN, tmp_path / "a", lease_s=1)
+    first.take()
+    first._ended.set()  # its renewals stop, as a machine taken away stops renewing
+    second = RemoteClaim(store, RUN, tmp_path / "b", lease_s=60)
+    with pytest.raises(RunError) as refused:
+        second.take()
+    assert re.fullmatch(
+        rf"{store.url}/{RUN} is in use by PID {os.getpid()} on \S+ \(home {tmp_path / 'a'}\) \(lease renewed \d+ s "
+        rf"ago, runs out in -?\d+ s\); wait for that run to end \(or stop it\), or train separately with "
+        rf"name=<another name>",
+        str(refused.value),
+    ), refused.value
+    deadline = time.monotonic() + 30
+    while store.read(f"{RUN}/claim.json").age_s <= 1:  # the lease runs out by the store's clock
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    second.take()
+    assert any("took over" in r.getMessage() and "whose lease ran out" in r.getMessage() for r in caplog.records)
+    with pytest.raises(Lost, match=rf"^lost the claim on {re.escape(store.url)}/{RUN} to PID \d+ on \S+ \(home "):
+        first.renew()
+    second.release()
+    third = RemoteClaim(store, RUN, tmp_path / "c", lease_s=60)
+    third.take()  # released: taken at once
+    third.release()
+
+
+def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_over_at_once(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(ended.stdout)
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    left = {"holder": f"PID {pid} on {os.uname().nodename}", "pid": pid, "host": os.uname().nodename, "home": "/a"}
+    left |= {"leg": "a", "started": "", "lease_s": 3600, "released": False}
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(left).encode())
+    claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60)
+    claimed.take()
+    claimed.release()
+    assert any(
+        r.getMessage().endswith(f"from PID {pid} on {os.uname().nodename} (home /a), which ended")
+        for r in caplog.records
+    )
+
+
+def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(bucket, tmp_path):
+    remote, s3 = bucket
+    claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    # A renewal the store applied, whose answer (its new ETag) a timeout kept from this machine.
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    found = s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")["Body"].read()
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=found + b" ")
+    claimed.renew()
+    assert claimed.lost is None
+    claimed.renew()  # with the version it learned
+    claimed.release()
+
+
+def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_path):
+    remote, s3 = bucket
+    store, home = store_of(remote), tmp_path / "home"
+    claimed = RemoteClaim(store, RUN, home, lease_s=60)
+    claimed.take()
+    mirror = Mirror(store, RUN, home, keep_last=3, leg=claimed.leg, known={}, fence=claimed.renew)
+    save(mirror, home, 10, keep_last=3)
+    assert mirror.wait_for(10, 30)
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
+    save(mirror, home, 20, keep_last=3)
+    said = mirror.settle(30)
+    assert "lost the claim on" in said and "PID 1 on host-b (home /b)" in said
+    assert claimed.lost.startswith(f"lost the claim on {store.url}/{RUN} to PID 1 on host-b")
+    assert {key for key in keys(s3, remote) if key.startswith("committed/")} == {"committed/step_00000010.json"}
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_stopped_on_one_machine_continues_on_another_from_the_remote_bit_for_bit(
+    make_cfg, client, bucket, tmp_path, monkeypatch, sigterm_at
+):
+    remote, s3 = bucket
+    common = [f"name={RUN}", "trainer.max_steps=40", "checkpoint.every_n_steps=10", f"checkpoint.remote={remote}"]
+    reference = recipe.train(make_cfg(*common[:3], f"name={RUN}-reference", f"checkpoint.dir={tmp_path / 'ref'}"))
+    step = recipe.train_step
+    sigterm_at(25)
+    with pytest.raises(SystemExit):
+        recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'machine-a'}"))
+    monkeypatch.setattr(recipe, "train_step", step)  # the store's environment stays
+    assert "committed/step_00000025.json" in keys(s3, remote)
+
+    resumed = recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'machine-b'}", "resume=auto"))
+    assert resumed["step"] == 40
+    first_leg = newest_valid(tmp_path / "machine-a").state["tracker"]["run_id"]
+    assert resumed["run_id"] == first_leg, "the same MLflow run"
+    assert losses(client, resumed["run_id"]) == losses(client, reference["run_id"])
+    recorded = client.get_run(resumed["run_id"]).data
+    assert SECRET not in json.dumps([recorded.params, recorded.tags]), "the store's secret, in MLflow"
+    assert recorded.tags["checkpoint.remote"] == remote and "checkpoint.remote" not in recorded.params  # a where
+    account = json.loads((tmp_path / "machine-b" / "goodput.json").read_text())
+    assert len(account["legs"]) == 2
+    assert json.loads(store_of(remote).get_bytes(f"{RUN}/goodput.json"))["legs"] == account["legs"]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_is_mirrored_as_a_folder_and_a_new_machine_continues_from_the_same_bytes(
+    make_cfg, bucket, tmp_path
+):
+    remote, s3 = bucket
+    common = [f"name={RUN}", "mlflow.enabled=false", "strategy=fsdp", "checkpoint.every_n_steps=10"]
+    common += [f"checkpoint.remote={remote}"]
+    recipe.train(make_cfg(*common, "trainer.max_steps=20", f"checkpoint.dir={tmp_path / 'a'}"))
+    saved = tmp_path / "a" / "step_00000020"
+    assert {f"step_00000020/{path.name}" for path in saved.iterdir()} | {"committed/step_00000020.json"} <= keys(
+        s3, remote
+    )
+    result = recipe.train(make_cfg(*common, "trainer.max_steps=30", "resume=auto", f"checkpoint.dir={tmp_path / 'b'}"))
+    assert result["step"] == 30
+    fetched = tmp_path / "b" / "step_00000020"
+    assert {path.name: path.read_bytes() for path in fetched.iterdir()} == {
+        path.name: path.read_bytes() for path in saved.iterdir()
+    }
+
+
+@pytest.mark.slow
+def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_saying_so(
+    make_cfg, bucket, tmp_path, monkeypatch
+):
+    remote, s3 = bucket
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
+    real_step, steps_taken = recipe.train_step, []
+
+    def step_then_take_over(*arguments):
+        steps_taken.append(1)
+        if len(steps_taken) == 12:  # once the save at step 10 is remote
+            deadline = time.monotonic() + 60
+            while "committed/step_00000010.json" not in manifests(s3, remote):
+                assert time.monotonic() < deadline, "step 10 was not uploaded within 60 s"
+                time.sleep(0.02)
+            s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
+        return real_step(*arguments)
+
+    monkeypatch.setattr(recipe, "train_step", step_then_take_over)
+    settings = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=100000", "checkpoint.every_n_steps=10"]
+    with pytest.raises(RunError) as stopped:
+        recipe.train(make_cfg(*settings, f"checkpoint.remote={remote}", "checkpoint.remote_lease_s=0.3"))
+    assert re.fullmatch(
+        rf"lost the claim on {re.escape(Store(remote).url)}/{RUN} to PID 1 on host-b \(home /b\); this machine stops "
+        rf"at step \d+ and uploads nothing more",
+        str(stopped.value),
+    ), stopped.value
+    assert manifests(s3, remote) == {"committed/step_00000010.json"}
+
+
+@pytest.mark.slow
+def test_a_fresh_run_over_the_remote_checkpoints_of_its_name_is_refused(make_cfg, remote, tmp_path):
+    common = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.remote={remote}"]
+    recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'a'}"))
+    with pytest.raises(RunError, match=rf"^{re.escape(Store(remote).url)}/{RUN} already holds checkpoints of 'demo'"):
+        recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'b'}"))
+    assert not (tmp_path / "b").exists()
+
+
+# --- runs, as a person types them ----------------------------------------------------------------
+
+QUIET = ["device.cpu_threads=1", "mlflow.enabled=false", "checkpoint.every_n_steps=10"]
+
+
+def wait_until(happened, process: subprocess.Popen, what: str) -> None:
+    """Returns once `happened()`; fails, with the process's output, if it ends first."""
+    deadline = time.monotonic() + 120
+    while not happened():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{what}: not within 120 s"
+        time.sleep(0.02)
+
+
+def manifests(s3, remote: str) -> set[str]:
+    return {key for key in keys(s3, remote) if key.startswith("committed/")}
+
+
+@pytest.mark.slow
+def test_a_kill_9_mid_upload_leaves_nothing_a_new_machine_picks_and_it_continues_from_the_last_whole_one(
+    project, bucket, s3_server, save_gate
+):
+    remote, s3 = bucket
+    settings = [f"name={RUN}", *QUIET, f"checkpoint.remote={remote}"]
+    home = project / "checkpoints" / RUN
+    gate = save_gate(match="step_00000020")
+    machine_a = start(project, *settings, "trainer.max_steps=1000000", env=gate.env)
+    gate.wait(machine_a)  # step 20 is in its home, and its upload not yet begun
+    wait_until(lambda: "committed/step_00000010.json" in manifests(s3, remote), machine_a, "step 10 uploaded")
+    with s3_server.paused():
+        gate.release()
+        # At 20 or past it: the save of 30 waits only for 20's write, so `latest` may be at 20 briefly.
+        latest = home / "latest"
+        wait_until(lambda: homes.step_of(home / latest.read_text()) >= 20, machine_a, "step 20 handed over")
+        machine_a.kill()
+        machine_a.communicate()
+    assert manifests(s3, remote) == {"committed/step_00000010.json"}
+    # Step 20 whole in the bucket, but without its manifest (as a copy by hand would be): no run's.
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    s3.upload_file(str(home / "step_00000020.pt"), bucket_name, f"{prefix}/{RUN}/step_00000020.pt")
+    new_machine = ["trainer.max_steps=15", "resume=auto", f"checkpoint.dir={project / 'machine-b'}"]
+    continued = run_cli(project, *settings, *new_machine)
+    said = continued.stdout + continued.stderr
+    assert continued.returncode == 0, said
+    # Its claim's lease runs for a minute yet, but its process, on this machine, is gone.
+    assert "resumed at step 10 on cpu" in said and re.search(
+        rf"took over \S+/{RUN} from PID {machine_a.pid} .*, which ended", said
+    )
+    assert manifests(s3, remote) == {"committed/step_00000010.json", "committed/step_00000015.json"}
+    assert "step_00000020.pt" in keys(s3, remote), "an object without a manifest is not this run's to delete"
+    assert SECRET not in said
+
+
+@pytest.mark.slow
+def test_a_sigterm_waits_for_the_newest_upload_and_a_resume_without_the_remote_uploads_nothing(project, bucket):
+    remote, s3 = bucket
+    settings = [f"name={RUN}", *QUIET, f"checkpoint.remote={remote}"]
+    home = project / "checkpoints" / RUN
+    process = start(project, *settings, "trainer.max_steps=1000000")
+    wait_for_a_save(home, process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    said = stdout + stderr
+    assert process.returncode == 128 + signal.SIGTERM, said
+    step = int(re.search(r"stopped at step (\d+) by SIGTERM", said)[1])
+    at = f"{Store(remote).url}/{RUN}"
+    assert re.search(rf"remote: step_{step:08d}.pt is in {re.escape(at)} \(uploaded \d+\.\d s after the save\)", said)
+    assert f"committed/step_{step:08d}.json" in manifests(s3, remote)
+    assert SECRET not in said and "credentials" not in said  # botocore's "Found credentials in ..." too
+    assert f"continue with name={RUN} checkpoint.remote={remote} resume=last" in said  # the remote, typed again
+
+    # The checkpoint holds checkpoint.remote; a resume that does not type it mirrors nowhere.
+    before = manifests(s3, remote)
+    resumed = run_cli(project, f"name={RUN}", *QUIET, "resume=last", f"trainer.max_steps={step + 10}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "remote:" not in resumed.stdout + resumed.stderr
+    assert manifests(s3, remote) == before
+
+
+@pytest.mark.slow
+def test_a_sigterm_with_the_store_down_ends_within_remote_wait_s_and_says_what_is_not_remote(
+    project, bucket, s3_server
+):
+    remote, _ = bucket
+    settings = [f"name={RUN}", *QUIET, f"checkpoint.remote={remote}", "checkpoint.remote_wait_s=2"]
+    home = project / "checkpoints" / RUN
+    process = start(project, *settings, "trainer.max_steps=1000000")
+    wait_for_a_save(home, process)
+    with s3_server.paused():
+        process.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        stdout, stderr = process.communicate(timeout=120)
+        took = time.monotonic() - began
+    said = stdout + stderr
+    assert process.returncode == 128 + signal.SIGTERM, said
+    assert took < 2 + 8, took  # the bound, the release of the claim (5 s at most), and the exit
+    step = int(re.search(r"stopped at step (\d+) by SIGTERM", said)[1])
+    assert f"remote: step_{step:08d}.pt is not in {Store(remote).url}/{RUN} within checkpoint.remote_wait_s=2" in said
+    assert f"step_{step:08d}.pt stays in {home}" in said
