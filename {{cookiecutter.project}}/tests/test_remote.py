@@ -388,7 +388,7 @@ def test_while_the_store_is_down_training_saves_on_local_copies_wait_and_the_upl
         f"2 checkpoints wait for {store.url}/{RUN}, more than checkpoint.keep_last=1: the home keeps each until a "
         "newer one is remote"
     )
-    outages = [said for said in warned if said.endswith("training goes on, and uploads are retried")]
+    outages = [line for line in warned if line.endswith("training goes on, and uploads are retried")]
     assert warned.count(crowded) == 1 and outages and len(warned) == 1 + len(outages), warned
 
 

@@ -229,13 +229,7 @@ class Mirror:
             for key, size in manifest.objects(found).items():
                 self.store.copy(f"{self.run}/{key}", f"{self.run}/{folder}/{key}", size)
             self.store.put_bytes(f"{self.run}/{folder}/{manifest.key_of(number)}", json.dumps(found, indent=1).encode())
-            self.store.delete(f"{self.run}/{manifest.key_of(number)}")
-            with self._changed:
-                self._remote.pop(number, None)
-            for key in manifest.objects(found):
-                self.store.delete(f"{self.run}/{key}")
-            if found["kind"] == "folder":
-                self.store.tidy(f"{self.run}/{manifest.name_of(found)}")
+            self._delete(number, found)
         log.info(
             f"resuming from step {step}: the newer checkpoints of {self.store.at(self.run)} are moved to {folder}/"
         )
@@ -248,12 +242,16 @@ class Mirror:
             kept = set(sorted(self._remote, reverse=True)[: self.keep_last])
             gone = {step: found for step, found in self._remote.items() if step not in kept}
         for step, found in sorted(gone.items()):
-            if manifest.name_of(found) in local:
-                continue
-            self.store.delete(f"{self.run}/{manifest.key_of(step)}")
-            with self._changed:
-                self._remote.pop(step, None)
-            for key in manifest.objects(found):
-                self.store.delete(f"{self.run}/{key}")
-            if found["kind"] == "folder":
-                self.store.tidy(f"{self.run}/{manifest.name_of(found)}")
+            if manifest.name_of(found) not in local:
+                self._delete(step, found)
+
+    def _delete(self, step: int, found: dict) -> None:
+        """The remote checkpoint of `step`: its manifest first (from then no resume sees it), then
+        the objects the manifest `found` lists, and a folder checkpoint's emptied folder."""
+        self.store.delete(f"{self.run}/{manifest.key_of(step)}")
+        with self._changed:
+            self._remote.pop(step, None)
+        for key in manifest.objects(found):
+            self.store.delete(f"{self.run}/{key}")
+        if found["kind"] == "folder":
+            self.store.tidy(f"{self.run}/{manifest.name_of(found)}")
