@@ -21,7 +21,6 @@ import torch.distributed as dist
 from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, start, wait_for_a_save, wait_for_exit
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
-from test_remote import bucket, s3_env, s3_server  # noqa: F401 (fixtures: moto's S3 server)
 
 from {{cookiecutter.package}}.engine import distributed, train
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
@@ -729,7 +728,7 @@ def test_a_job_stopped_on_one_machine_continues_on_another_from_the_remote_on_ev
 def test_a_job_whose_claim_another_machine_took_stops_on_every_rank_at_the_same_step_saying_so(project, request):
     """Only rank 0 holds the claim and hears that it is lost; every rank stops at the same logging
     step with its line, none waits for the others until strategy.timeout_s."""
-    remote, s3 = request.getfixturevalue("bucket")  # test_remote.py's, on moto's S3 server
+    remote, s3 = request.getfixturevalue("bucket")  # conftest.py's, on moto's S3 server
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     settings = ["trainer.max_steps=100000", "checkpoint.every_n_steps=10", "checkpoint.remote_lease_s=0.3"]
     process = torchrun(project, *settings, f"checkpoint.remote={remote}", "strategy.timeout_s=600")

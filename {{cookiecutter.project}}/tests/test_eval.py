@@ -13,7 +13,6 @@ import torch
 from conftest import losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
 from test_remembered import composed
-from test_remote import bucket, s3_env, s3_server  # noqa: F401 (fixtures: the S3 server remote_url asks for)
 from test_tracking import inputs_of
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -195,7 +194,7 @@ def test_weights_of_other_shapes_are_refused_naming_the_models_setting(make_cfg,
 
 @pytest.fixture(params=["folder", "s3"])
 def remote_url(request, tmp_path) -> str:
-    """checkpoint.remote: a mounted folder's path, or a bucket's folder on test_remote.py's S3 server."""
+    """checkpoint.remote: a mounted folder's path, or a bucket's folder on conftest.py's S3 server."""
     return str(tmp_path / "mounted") if request.param == "folder" else request.getfixturevalue("bucket")[0]
 
 

@@ -3,8 +3,6 @@ from there on a new machine (docs/preemptible-machines.md). The S3 tests run aga
 server on localhost (moto's), which s3fs and boto3 speak to as to a cloud store; they are skipped
 where s3fs (the `remote` extra) or moto is not installed (`pip install 'moto[s3]' flask flask-cors`)."""
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -13,14 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import hold, losses, run_cli, start, wait_for_a_save
+from conftest import SECRET, hold, losses, run_cli, start, wait_for_a_save
 from omegaconf import OmegaConf
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -35,86 +30,6 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError
 
 RUN = "demo"
-SECRET = "sekrit-3b9d1e07c4"  # the same in every xdist worker: it names parametrized tests
-LINE = re.compile(r"Running on (http://127\.0\.0\.1:\d+)")
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """The server stops answering, its objects kept (a restart would lose its buckets)."""
-        os.kill(self.process.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(self.process.pid, signal.SIGCONT)
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives a killed pytest
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """moto's S3 server on a free port of localhost, for the session (one per xdist worker)."""
-    pytest.importorskip("s3fs", reason="pip install -e '.[remote]'")
-    pytest.importorskip("moto.server", reason="an S3 server on localhost: pip install 'moto[s3]' flask flask-cors")
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    with open(log, "w") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-            stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while (found := LINE.search(log.read_text())) is None:
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, f"moto's server did not start within 60 s: {log.read_text()}"
-            time.sleep(0.02)
-        yield Server(found[1], process)
-    finally:
-        os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture
-def s3_env(s3_server: Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The environment a cloud machine's credentials come from, pointed at the server."""
-    values = {
-        "AWS_ENDPOINT_URL": s3_server.url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,  # moto takes any: a secret that must show nowhere
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    }
-    for key, value in values.items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(key, raising=False)
-    return values
-
-
-@pytest.fixture
-def bucket(s3_env) -> tuple[str, object]:
-    """A fresh bucket, and boto3's client: the URL `s3://<bucket>/runs`, and a client that
-    sees the store as another program would."""
-    import boto3
-
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    s3 = boto3.client("s3")
-    s3.create_bucket(Bucket=name)
-    return f"s3://{name}/runs", s3
 
 
 def keys(s3, url: str) -> set[str]:
