@@ -151,8 +151,9 @@ def copy_project(folder: Path) -> Path:
 def start(
     project: Path, *overrides: str, env: dict[str, str] | None = None, script: str = "run.py", **popen
 ) -> subprocess.Popen:
-    """`python run.py ...` (or another `script`) in `project`, as a person would type it."""
-    return subprocess.Popen(
+    """`python run.py ...` (or another `script`) in `project`, as a person would type it; killed when
+    the test ends if it runs still (no_process_outlives_its_test)."""
+    process = subprocess.Popen(
         [sys.executable, script, *overrides],
         cwd=project,
         stdout=subprocess.PIPE,
@@ -161,6 +162,23 @@ def start(
         env=env,
         **popen,
     )
+    _STARTED.append(process)
+    return process
+
+
+_STARTED: list[subprocess.Popen] = []  # by `start`, in the test running now
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test() -> Iterator[None]:
+    """A process the test started and left running (it failed before it stopped a run of a million
+    steps) is killed as the test ends, rather than training on, and loading the machine, for hours."""
+    yield
+    while _STARTED:
+        process = _STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 def run_cli(
