@@ -17,8 +17,11 @@ $(STAMP): requirements-dev.txt
 	$(VENV)/bin/pip install -r requirements-dev.txt
 	touch $@
 
+# Two pytest-xdist workers: the end-to-end test (the bake's suite, on workers of its own) and the
+# READMEs' runs, each a chain of commands in order, go on beside each other. The 30 slowest tests
+# are printed at the end: where the time goes.
 test: setup
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests -n 2 --dist worksteal --durations=30
 
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/demo.sh

@@ -13,6 +13,12 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 Bake = Callable[..., Path]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow first (the end-to-end test, the READMEs' runs: minutes each), so that
+    pytest-xdist's workers start them together and take the short ones as they finish."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def bake(tmp_path_factory: pytest.TempPathFactory) -> Bake:
     """Return bake(output_dir, [template,] **answers), which bakes this checkout (or `template`)

@@ -1,12 +1,14 @@
 """The default bake is a working project: it installs, passes its own suite, lints clean, and
 trains and resumes its second model from the command line."""
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,18 +29,23 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
-def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str], log: str) -> None:
     """Run the bake's own suite, which takes many minutes, with its progress shown as it comes
-    (past pytest's capture), so that `make test` never looks hung; on failure, as `run`."""
+    (past pytest's capture, where pytest runs in one process), so that `make test` never looks
+    hung, and kept as `log` in CI's folder (CONTINUUM_CI_DIR, see `stage`); on failure, as `run`."""
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     watchdog = threading.Timer(TIMEOUT_S, process.kill)
     watchdog.start()
     output = bytearray()
+    folder = os.environ.get("CONTINUUM_CI_DIR")
+    kept = open(Path(folder, log), "wb") if folder else contextlib.nullcontext()  # noqa: SIM115
     try:
-        with capsys.disabled():
+        with capsys.disabled(), kept:
             print(f"\n`{' '.join(command[1:])}` in the bake:", flush=True)
             while chunk := os.read(process.stdout.fileno(), 4096):
                 output += chunk
+                if folder:
+                    kept.write(chunk)
                 sys.stdout.write(chunk.decode(errors="replace"))
                 sys.stdout.flush()
     finally:
@@ -47,6 +54,17 @@ def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str])
         pytest.fail(
             f"`{' '.join(command)}` exited {process.returncode}\n{output.decode(errors='replace')}"
         )
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Times a stage of CI's: .ci/run names a folder in CONTINUUM_CI_DIR, and prints as it ends
+    the seconds of each stage (its file `stages`) and the slowest tests of each suite's log."""
+    began = time.monotonic()
+    yield
+    if folder := os.environ.get("CONTINUUM_CI_DIR"):
+        with open(Path(folder, "stages"), "a") as stages:
+            stages.write(f"{time.monotonic() - began:6.0f} s  {name}\n")
 
 
 def in_parallel() -> list[str]:
@@ -66,18 +84,13 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     # The venv already holds every runtime dependency and setuptools; no network needed.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
-    run_shown(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--all", *in_parallel()],
-        project,
-        capsys,
-    )
+    suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
+    with stage("the bake's suite: pytest --all"):
+        run_shown([*suite, "--all", *in_parallel()], project, capsys, "bake-all.log")
     # The SLURM tier on its own, in one process: it starts one cluster, where each worker would
     # start its own on the same ports (it skips, saying why, where it cannot start one).
-    run_shown(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "slurm"],
-        project,
-        capsys,
-    )
+    with stage("the bake's SLURM tier: pytest -m slurm"):
+        run_shown([*suite, "-rs", "-m", "slurm"], project, capsys, "bake-slurm.log")
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig
+from warm_parent import WarmParent, WarmPopen
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.goodput import BUCKETS
@@ -43,6 +44,14 @@ BASE = {
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--all", action="store_true", help="also run the tests marked slow (what CI runs)")
+    parser.addoption(
+        "--cold-starts", action="store_true", help="start every `python run.py` as a new interpreter (no warm parent)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _COLD_STARTS
+    _COLD_STARTS = config.getoption("--cold-starts")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -151,22 +160,39 @@ def copy_project(folder: Path) -> Path:
 def start(
     project: Path, *overrides: str, env: dict[str, str] | None = None, script: str = "run.py", **popen
 ) -> subprocess.Popen:
-    """`python run.py ...` (or another `script`) in `project`, as a person would type it; killed when
-    the test ends if it runs still (no_process_outlives_its_test)."""
-    process = subprocess.Popen(
-        [sys.executable, script, *overrides],
-        cwd=project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        **popen,
-    )
+    """`python run.py ...` (or another `script`) in `project`, as a person would type it, forked by
+    this worker's warm parent where it can be (tests/warm_parent.py); killed when the test ends if it
+    runs still (no_process_outlives_its_test)."""
+    command = [sys.executable, script, *overrides]
+    popen = {"cwd": project, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env, **popen}
+    warm = _warm_parent()
+    if warm is not None and warm.can_start(command, env, popen):
+        process = WarmPopen(warm, command, **popen)
+    else:
+        process = subprocess.Popen(command, **popen)
     _STARTED.append(process)
     return process
 
 
+_WARM: list[WarmParent] = []  # this worker's, once a test has started a run
+
+
+def _warm_parent() -> WarmParent | None:
+    """This worker's warm parent, started on first use; None with `--cold-starts`."""
+    if _COLD_STARTS:
+        return None
+    if not _WARM:
+        _WARM.append(WarmParent())
+    return _WARM[0]
+
+
+def pytest_sessionfinish() -> None:
+    for warm in _WARM:
+        warm.stop()
+
+
 _STARTED: list[subprocess.Popen] = []  # by `start`, in the test running now
+_COLD_STARTS = False  # --cold-starts
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,139 @@
+"""The warm parent (tests/warm_parent.py) forks the runs the other tests start: a forked run must be,
+to the test, the new process `python run.py` would have been. Each check starts the same probe
+twice, as a new interpreter and forked, and compares what each reports and how each ends."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import _warm_parent
+from warm_parent import WarmPopen
+
+pytestmark = pytest.mark.slow
+
+# Named run.py, as the warm parent forks only the project's scripts. It reports what a process
+# inherits from the one that started it, then ends as its stdin tells it to.
+PROBE = """
+import json, os, random, signal, sys, threading
+import numpy, torch
+import {{cookiecutter.package}}.engine.train
+
+handlers = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGUSR1")}
+print(json.dumps({
+    "pid": os.getpid(),
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "path0": sys.path[0],
+    "main": __name__,
+    "file": __file__,
+    "spec": repr(__spec__),
+    "loader": type(__loader__).__name__,
+    "env": os.environ.get("PROBE_VALUE"),
+    "threads": threading.active_count(),
+    "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+    "torch_seed": torch.initial_seed(),
+    "torch_rand": torch.rand(4).tolist(),
+    "random": random.random(),
+    "numpy": float(numpy.random.random()),
+    "handlers": {name: getattr(handler, "__name__", str(handler)) for name, handler in handlers.items()},
+    "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "session": os.getsid(0) == os.getpid(),
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+}), flush=True)
+told = sys.stdin.readline().split()
+print("told", *told, file=sys.stderr, flush=True)
+if told[0] == "exit":
+    sys.exit(int(told[1]))
+if told[0] == "raise":
+    raise RuntimeError("as a run that fails")
+signal.pause()
+"""
+
+
+@pytest.fixture
+def probe(tmp_path):
+    (tmp_path / "run.py").write_text(PROBE)
+    return tmp_path
+
+
+def started(probe, warm: bool, *argv: str, **popen) -> tuple[subprocess.Popen, dict]:
+    command = [sys.executable, "run.py", *argv]
+    popen = {
+        "cwd": probe,
+        "stdin": subprocess.PIPE,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+        **popen,
+    }
+    parent = _warm_parent()
+    assert parent.can_start(command, popen.get("env"), popen)
+    process = WarmPopen(parent, command, **popen) if warm else subprocess.Popen(command, **popen)
+    return process, json.loads(process.stdout.readline())
+
+
+def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch):
+    monkeypatch.setenv("PROBE_VALUE", "set by the test")
+    reports = {}
+    for warm in (False, True, True):
+        process, report = started(probe, warm, "a=1", "b=two")
+        assert report.pop("pid") == process.pid
+        process.communicate("exit 0\n", timeout=60)
+        reports.setdefault(warm, []).append(report)
+    (cold,), (forked, again) = reports[False], reports[True]
+    # Each new interpreter seeds its generators anew: two forks must not share a draw.
+    drawn = ("random", "numpy", "torch_seed", "torch_rand")
+    assert all(forked[key] != again[key] for key in drawn)
+    for report in (cold, forked, again):
+        for key in drawn:
+            del report[key]
+    assert forked == cold == again
+    assert cold["argv"] == ["run.py", "a=1", "b=two"] and cold["env"] == "set by the test"
+    assert cold["main"] == "__main__" and cold["path0"] == str(probe) and cold["threads"] == 1
+
+
+@pytest.mark.parametrize(
+    "ending, returncode",
+    [
+        ("exit 3", 3),
+        ("raise", 1),
+        (signal.SIGTERM, -signal.SIGTERM),
+        (signal.SIGKILL, -signal.SIGKILL),
+        (signal.SIGINT, -signal.SIGINT),
+    ],
+    ids=["exit-3", "exception", "sigterm", "sigkill", "sigint"],
+)
+def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
+    ended = {}
+    for warm in (False, True):
+        process, _ = started(probe, warm)
+        if isinstance(ending, str):
+            process.stdin.write(ending + "\n")
+            process.stdin.flush()
+        else:
+            process.stdin.write("pause\n")
+            process.stdin.flush()
+            assert process.stderr.readline().startswith("told")  # waiting in signal.pause() now
+            process.send_signal(ending)
+        stdout, stderr = process.communicate(timeout=60)
+        ended[warm] = (process.returncode, stderr.splitlines()[-1:])
+    assert ended[True] == ended[False] and ended[True][0] == returncode
+
+
+def test_a_forked_run_in_a_session_of_its_own_leads_it(probe):
+    process, report = started(probe, True, start_new_session=True)
+    process.communicate("exit 0\n", timeout=60)
+    assert report["session"] is True and process.returncode == 0
+
+
+def test_a_request_that_a_fork_cannot_honour_starts_cold(probe):
+    parent = _warm_parent()
+    command = [sys.executable, "run.py"]
+    assert parent.can_start(command, None, {"cwd": probe})
+    # The interpreter reads these as it starts, before any fork could set them.
+    assert not parent.can_start(command, {**parent.env, "PYTHONHASHSEED": "7"}, {"cwd": probe})
+    assert not parent.can_start(command, {**parent.env, "OMP_NUM_THREADS": "1"}, {"cwd": probe})
+    assert not parent.can_start(command, None, {"cwd": probe, "preexec_fn": print})
+    assert not parent.can_start([sys.executable, "-c", "pass"], None, {})

@@ -1,0 +1,253 @@
+"""A warm parent for the `python run.py ...` a test starts: one process per pytest worker that has
+imported what a run imports (torch, Hydra, the engine: seconds on two cores), and forks a child for
+each run, so that start-up is paid once per worker instead of once per run.
+
+A forked run is a new process to the test: it is `WarmPopen`, a `subprocess.Popen` whose pid is the
+run's own (signals, `pgrep -P`, pidfds and claims see the run), whose pipes are the ones the test
+asked for, and whose exit status is the run's wait status (the warm parent reaps it and passes the
+status on). The child starts as a new interpreter would: the argv, working directory, environment
+and standard streams of the request, `sys.path[0]` the script's folder, the signal handlers and
+RNG states of a fresh interpreter, no thread, socket or file of the warm parent's.
+
+What a fork cannot give, a request that differs there is started cold (`can_start` says which): an
+environment variable that an interpreter or a library reads as it starts or is imported (PYTHON*,
+OMP_*, LD_*, ...), less the one exception used here: a folder put first on PYTHONPATH whose
+sitecustomize.py the child imports as `site` would (tests/gates/). Python's hash seed is the warm
+parent's in every child. Tests about start-up itself start a cold interpreter (plain `subprocess`).
+
+    python tests/warm_parent.py SOCKET     # serves until its parent, the pytest worker, ends
+"""
+
+import contextlib
+import ctypes
+import importlib.util
+import inspect
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+# The variables read as an interpreter starts or a library is imported: a child whose request
+# differs in one would not be the process it asks for.
+AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LANG", "LC_", "TZ")
+SCRIPTS = ("run.py", "eval.py", "export.py")
+# Popen's arguments that a request carries; any other one set means a cold start.
+CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal_newlines", "bufsize", "cwd", "env"}
+CARRIED |= {"start_new_session"}
+MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
+IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
+IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "torch._dynamo")
+
+
+class WarmParent:
+    """The warm parent of this pytest worker, started by `start()` and stopped by `stop()`."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="warm-")  # a socket's path is short: not pytest's tmp_path
+        self.path = os.path.join(self._folder, "warm.sock")
+        self.env = dict(os.environ)
+        ready, told_ready = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, self.path, str(told_ready)],
+            stdin=subprocess.DEVNULL, pass_fds=[told_ready], preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        os.close(told_ready)
+        with os.fdopen(ready) as said:  # the line it writes once its imports are done, or nothing
+            told = said.read()
+        if told != "ready\n":
+            self.process.wait()
+            raise RuntimeError(f"the warm parent did not start (exit {self.process.returncode})")
+
+    def can_start(self, command: list[str], env: dict[str, str] | None, popen: dict) -> bool:
+        """Whether a fork of this parent is the process `command` would start."""
+        if len(command) < 2 or command[0] != sys.executable or command[1] not in SCRIPTS:
+            return False
+        if not set(popen) <= CARRIED or self.process.poll() is not None:
+            return False
+        env = os.environ if env is None else env
+        at_start = {key for key in {*env, *self.env} if key.startswith(AT_START)} - {"PYTHONPATH"}
+        return all(env.get(key) == self.env.get(key) for key in at_start) and _added_path(env, self.env) is not None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+        shutil.rmtree(self._folder)
+
+
+class WarmPopen(subprocess.Popen):
+    """`subprocess.Popen(command, ...)` forked by `parent`: the same object to the test."""
+
+    def __init__(self, parent: WarmParent, command: list[str], **popen) -> None:
+        self._parent, self._status = parent, b""
+        self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._connection.connect(parent.path)
+        super().__init__(command, **popen)
+
+    def _execute_child(self, *given) -> None:
+        given = dict(zip(_CHILD_ARGUMENTS, given, strict=True))
+        streams = [
+            given[name] if given[name] != -1 else default
+            for name, default in (("p2cread", 0), ("c2pwrite", 1), ("errwrite", 2))
+        ]
+        request = {
+            "argv": [str(part) for part in given["args"]],
+            "cwd": os.fspath(given["cwd"] or os.getcwd()),
+            "env": dict(os.environ if given["env"] is None else given["env"]),
+            "session": bool(given["start_new_session"]),
+            "added": _added_path(given["env"] or os.environ, self._parent.env),
+        }
+        socket.send_fds(self._connection, [json.dumps(request).encode()], streams)
+        told = self._connection.recv(64)
+        if not told:
+            raise RuntimeError("the warm parent ended (its output is in the pytest worker's)")
+        self.pid = int(told)
+        self._child_created = True
+        self._close_pipe_fds(*(given[name] for name in _PIPES))
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        if wait_flags & os.WNOHANG and not select.select([self._connection], [], [], 0)[0]:
+            return 0, 0
+        status = self._connection.recv(64)
+        if not status:
+            raise ChildProcessError(f"the warm parent ended before run {self.pid} did; its exit status is lost")
+        self._connection.close()
+        return self.pid, int(status)
+
+    def _internal_poll(self, _deadstate=None, **_) -> int | None:
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                pid, status = self._try_wait(os.WNOHANG)
+                if pid:
+                    self._handle_exitstatus(status)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+
+_CHILD_ARGUMENTS = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
+_PIPES = ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")
+
+
+def _added_path(env, parent_env) -> list[str] | None:
+    """The folders `env`'s PYTHONPATH puts before the warm parent's ([] for none), or None where it
+    differs otherwise."""
+    requested = [part for part in env.get("PYTHONPATH", "").split(os.pathsep) if part]
+    own = [part for part in parent_env.get("PYTHONPATH", "").split(os.pathsep) if part]
+    if len(requested) < len(own) or requested[len(requested) - len(own) :] != own:
+        return None
+    return requested[: len(requested) - len(own)]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: it ends with the pytest worker
+
+
+# --- the warm parent's side -----------------------------------------------------------------------
+
+
+def serve(path: str, ready: int) -> None:
+    """Imports what a run imports, then forks a child for each request; returns in the child only,
+    once it is set up as the interpreter its request asks for."""
+    for name in IMPORTS:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task"))  # torch's own, started by its import
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    os.write(ready, b"ready\n")
+    os.close(ready)
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, the requester's connection)
+    while True:
+        readable, _, _ = select.select([listener, *children], [], [])
+        for pidfd in set(readable) & set(children):
+            pid, connection = children.pop(pidfd)
+            _, status = os.waitpid(pid, 0)
+            os.close(pidfd)
+            with contextlib.suppress(OSError):  # a requester that ended first
+                connection.send(str(status).encode())
+            connection.close()
+        if listener not in readable:
+            continue
+        connection, _ = listener.accept()
+        message, streams, _, _ = socket.recv_fds(connection, MESSAGE, 3)
+        # A thread started since the imports would not be in the child: a fork would lose its work.
+        now = len(os.listdir("/proc/self/task"))
+        assert now <= threads, f"the warm parent has {now} threads, {threads} after its imports"
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for pidfd, (_, other) in children.items():
+                os.close(pidfd)
+                other.close()
+            connection.close()
+            _as_new(json.loads(message), streams)
+            return
+        for stream in streams:
+            os.close(stream)
+        connection.send(str(pid).encode())
+        children[os.pidfd_open(pid)] = (pid, connection)
+
+
+def _as_new(request: dict, streams: list[int]) -> None:
+    """This child as the interpreter that `python <script> ...` would start."""
+    if request["session"]:
+        os.setsid()
+    for number, stream in enumerate(streams):
+        os.dup2(stream, number)
+    for stream in set(streams) - {0, 1, 2}:
+        os.close(stream)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = request["argv"][1:]
+    script = os.path.join(request["cwd"], sys.argv[0])
+    sys.path[:0] = [os.path.dirname(script), *request["added"]]
+    tempfile.tempdir = None  # read from TMPDIR again, as a new interpreter would
+    # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork.
+    import random
+
+    import numpy
+    import torch
+
+    random.seed()
+    numpy.random.seed()
+    torch.seed()
+    for folder in request["added"]:
+        found = Path(folder, "sitecustomize.py")
+        if found.is_file():
+            spec = importlib.util.spec_from_file_location("sitecustomize", found)
+            sys.modules["sitecustomize"] = module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            break
+
+
+def run_as_main(script: str) -> None:
+    """Runs `script` as `python <script>` runs it: as a new module `__main__`, `__file__` absolute,
+    `sys.argv[0]` as typed (runpy.run_path would set both to one path)."""
+    import builtins
+    from importlib.machinery import SourceFileLoader
+
+    path = os.path.abspath(script)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__cached__, main.__builtins__ = path, None, builtins
+    main.__loader__ = SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec")
+    exec(code, vars(main))
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this folder's, which a run's interpreter would not have
+    serve(sys.argv[1], int(sys.argv[2]))
+    run_as_main(sys.argv[0])  # in the child only: the warm parent serves until it ends
