@@ -202,7 +202,9 @@ def test_with_its_home_gone_the_runs_last_and_best_are_read_from_the_remote_as_t
     make_cfg, client, checkpoint_dir, tmp_path, remote_url
 ):
     remote = f"checkpoint.remote={remote_url}"
-    trained = recipe.train(make_cfg(*PEAK, remote))
+    # Its end waits until every checkpoint is remote, the best among them (the uploads go on in a
+    # thread of this process, which the home's removal below would race on a busy machine).
+    trained = recipe.train(make_cfg(*PEAK, remote, "checkpoint.remote_wait_s=600"))
     logged = val_losses(client, trained["run_id"])
     best = max(logged, key=logged.get)
     assert best < 30, "the best is an early checkpoint, not the newest"

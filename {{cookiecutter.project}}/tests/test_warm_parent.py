@@ -137,3 +137,12 @@ def test_a_request_that_a_fork_cannot_honour_starts_cold(probe):
     assert not parent.can_start(command, {**parent.env, "OMP_NUM_THREADS": "1"}, {"cwd": probe})
     assert not parent.can_start(command, None, {"cwd": probe, "preexec_fn": print})
     assert not parent.can_start([sys.executable, "-c", "pass"], None, {})
+
+
+def test_a_request_that_fails_before_it_is_sent_leaves_the_warm_parent_serving(probe):
+    parent = _warm_parent()
+    with pytest.raises(OSError):  # an fd that is not open cannot be passed on
+        WarmPopen(parent, [sys.executable, "run.py"], cwd=probe, stdin=987654)
+    process, report = started(probe, True)
+    process.communicate("exit 0\n", timeout=60)
+    assert report["pid"] == process.pid and process.returncode == 0

@@ -15,7 +15,7 @@ OMP_*, LD_*, ...), less the one exception used here: a folder put first on PYTHO
 sitecustomize.py the child imports as `site` would (tests/gates/). Python's hash seed is the warm
 parent's in every child. Tests about start-up itself start a cold interpreter (plain `subprocess`).
 
-    python tests/warm_parent.py SOCKET     # serves until its parent, the pytest worker, ends
+    python tests/warm_parent.py SOCKET READY   # READY: a pipe's fd, told "ready" once it serves
 """
 
 import contextlib
@@ -85,10 +85,14 @@ class WarmPopen(subprocess.Popen):
     """`subprocess.Popen(command, ...)` forked by `parent`: the same object to the test."""
 
     def __init__(self, parent: WarmParent, command: list[str], **popen) -> None:
-        self._parent, self._status = parent, b""
+        self._parent = parent
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._connection.connect(parent.path)
-        super().__init__(command, **popen)
+        try:
+            super().__init__(command, **popen)
+        except BaseException:
+            self._connection.close()
+            raise
 
     def _execute_child(self, *given) -> None:
         given = dict(zip(_CHILD_ARGUMENTS, given, strict=True))
@@ -96,12 +100,13 @@ class WarmPopen(subprocess.Popen):
             given[name] if given[name] != -1 else default
             for name, default in (("p2cread", 0), ("c2pwrite", 1), ("errwrite", 2))
         ]
+        env = dict(os.environ if given["env"] is None else given["env"])
         request = {
             "argv": [str(part) for part in given["args"]],
             "cwd": os.fspath(given["cwd"] or os.getcwd()),
-            "env": dict(os.environ if given["env"] is None else given["env"]),
+            "env": env,
             "session": bool(given["start_new_session"]),
-            "added": _added_path(given["env"] or os.environ, self._parent.env),
+            "added": _added_path(env, self._parent.env),
         }
         socket.send_fds(self._connection, [json.dumps(request).encode()], streams)
         told = self._connection.recv(64)
@@ -127,8 +132,9 @@ class WarmPopen(subprocess.Popen):
                 if pid:
                     self._handle_exitstatus(status)
             except OSError:
-                if _deadstate is not None:
-                    self.returncode = _deadstate
+                if _deadstate is None:
+                    raise
+                self.returncode = _deadstate
             finally:
                 self._waitpid_lock.release()
         return self.returncode
@@ -180,6 +186,11 @@ def serve(path: str, ready: int) -> None:
             continue
         connection, _ = listener.accept()
         message, streams, _, _ = socket.recv_fds(connection, MESSAGE, 3)
+        if len(streams) != 3:  # a requester whose Popen failed before it asked
+            for stream in streams:
+                os.close(stream)
+            connection.close()
+            continue
         # A thread started since the imports would not be in the child: a fork would lose its work.
         now = len(os.listdir("/proc/self/task"))
         assert now <= threads, f"the warm parent has {now} threads, {threads} after its imports"
