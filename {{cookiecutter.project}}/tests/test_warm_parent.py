@@ -80,7 +80,7 @@ def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch)
     for warm in (False, True, True):
         process, report = started(probe, warm, "a=1", "b=two")
         assert report.pop("pid") == process.pid
-        process.communicate("exit 0\n", timeout=60)
+        process.communicate("exit 0\n")  # waits for its end: the probe exits when told
         reports.setdefault(warm, []).append(report)
     (cold,), (forked, again) = reports[False], reports[True]
     # Each new interpreter seeds its generators anew: two forks must not share a draw.
@@ -117,14 +117,14 @@ def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
             process.stdin.flush()
             assert process.stderr.readline().startswith("told")  # waiting in signal.pause() now
             process.send_signal(ending)
-        stdout, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate()  # waits for its end
         ended[warm] = (process.returncode, stderr.splitlines()[-1:])
     assert ended[True] == ended[False] and ended[True][0] == returncode
 
 
 def test_a_forked_run_in_a_session_of_its_own_leads_it(probe):
     process, report = started(probe, True, start_new_session=True)
-    process.communicate("exit 0\n", timeout=60)
+    process.communicate("exit 0\n")  # waits for its end: the probe exits when told
     assert report["session"] is True and process.returncode == 0
 
 
@@ -144,5 +144,5 @@ def test_a_request_that_fails_before_it_is_sent_leaves_the_warm_parent_serving(p
     with pytest.raises(OSError):  # an fd that is not open cannot be passed on
         WarmPopen(parent, [sys.executable, "run.py"], cwd=probe, stdin=987654)
     process, report = started(probe, True)
-    process.communicate("exit 0\n", timeout=60)
+    process.communicate("exit 0\n")  # waits for its end: the probe exits when told
     assert report["pid"] == process.pid and process.returncode == 0
