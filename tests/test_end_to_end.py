@@ -56,12 +56,44 @@ def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str],
         )
 
 
+def run_beside(
+    name: str, command: list[str], cwd: Path, folder: Path, log: str
+) -> Callable[[pytest.CaptureFixture[str]], None]:
+    """Starts `command` now, its output going to `log` (in CI's folder, else in `folder`); returns
+    the wait for its end, which shows that output, times it as the stage `name` from now, and
+    fails as `run` does."""
+    path = Path(os.environ.get("CONTINUUM_CI_DIR") or folder, log)
+    with open(path, "wb") as output:
+        process = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+    watchdog = threading.Timer(TIMEOUT_S, process.kill)
+    watchdog.start()
+    began = time.monotonic()
+
+    def wait(capsys: pytest.CaptureFixture[str]) -> None:
+        process.wait()
+        watchdog.cancel()
+        record_stage(name, began)
+        shown = path.read_text(errors="replace")
+        with capsys.disabled():
+            print(f"\n`{' '.join(command[1:])}` in the bake, beside the rest:\n{shown}", flush=True)
+        if process.returncode != 0:
+            pytest.fail(f"`{' '.join(command)}` exited {process.returncode}\n{shown}")
+
+    return wait
+
+
 @contextlib.contextmanager
 def stage(name: str) -> Iterator[None]:
-    """Times a stage of CI's: .ci/run names a folder in CONTINUUM_CI_DIR, and prints as it ends
-    the seconds of each stage (its file `stages`) and the slowest tests of each suite's log."""
+    """Times a stage of CI's (record_stage)."""
     began = time.monotonic()
     yield
+    record_stage(name, began)
+
+
+def record_stage(name: str, began: float) -> None:
+    """A stage of CI's, begun at `began` (time.monotonic()), has ended: .ci/run names a folder in
+    CONTINUUM_CI_DIR, and prints as it ends the seconds of each stage (its file `stages`) and the
+    slowest tests of each suite's log."""
     if folder := os.environ.get("CONTINUUM_CI_DIR"):
         with open(Path(folder, "stages"), "a") as stages:
             stages.write(f"{time.monotonic() - began:6.0f} s  {name}\n")
@@ -85,12 +117,19 @@ def test_default_bake_installs_passes_its_own_tests_and_lints_clean(
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
     suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
+    # The SLURM tier in one process of its own: it starts one cluster, where each worker would
+    # start its own on the same ports (it skips, saying why, where it cannot start one). Its jobs
+    # wait on SLURM's clock most of their minutes, so it runs beside the rest of the suite.
+    slurm = run_beside(
+        "the bake's SLURM tier: pytest -m slurm (beside --all)",
+        [*suite, "-rs", "-m", "slurm"],
+        project,
+        tmp_path,
+        "bake-slurm.log",
+    )
     with stage("the bake's suite: pytest --all"):
         run_shown([*suite, "--all", *in_parallel()], project, capsys, "bake-all.log")
-    # The SLURM tier on its own, in one process: it starts one cluster, where each worker would
-    # start its own on the same ports (it skips, saying why, where it cannot start one).
-    with stage("the bake's SLURM tier: pytest -m slurm"):
-        run_shown([*suite, "-rs", "-m", "slurm"], project, capsys, "bake-slurm.log")
+    slurm(capsys)
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,

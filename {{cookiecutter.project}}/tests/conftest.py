@@ -1,7 +1,9 @@
 """Shared fixtures: configs composed from the real configs/ folder, pointed at temporary stores."""
 
 import contextlib
+import copy
 import ctypes
+import functools
 import importlib.resources
 import os
 import re
@@ -94,12 +96,27 @@ def make_cfg(checkpoint_dir: Path, tracking_uri: str):
     """Composes configs/config.yaml like `python run.py key=value ...` would."""
 
     def make(*overrides: str) -> DictConfig:
-        values = {**BASE, "checkpoint.dir": str(checkpoint_dir), "mlflow.tracking_uri": tracking_uri}
+        values = {**BASE, "mlflow.tracking_uri": tracking_uri}
         values.update(override.split("=", 1) for override in overrides)
-        with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-            return compose("config", overrides=[f"{key}={value}" for key, value in values.items()])
+        own_home = "checkpoint.dir" not in values
+        composed = _composed(tuple(values.items()))
+        if own_home:  # the test's, set as an override would set it
+            composed.checkpoint.dir = str(checkpoint_dir)
+        return composed
 
     return make
+
+
+@functools.cache
+def _compose(overrides: tuple[tuple[str, str], ...]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        return compose("config", overrides=[f"{key}={value}" for key, value in overrides])
+
+
+def _composed(overrides: tuple[tuple[str, str], ...]) -> DictConfig:
+    """A copy of what composing `overrides` gives: each set is composed once per pytest process
+    (Hydra takes a fifth of a second for it), and each test gets a copy of its own to change."""
+    return copy.deepcopy(_compose(overrides))
 
 
 @pytest.fixture
@@ -158,14 +175,20 @@ def copy_project(folder: Path) -> Path:
 
 
 def start(
-    project: Path, *overrides: str, env: dict[str, str] | None = None, script: str = "run.py", **popen
+    project: Path,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    script: str = "run.py",
+    cold: bool = False,
+    **popen,
 ) -> subprocess.Popen:
     """`python run.py ...` (or another `script`) in `project`, as a person would type it, forked by
-    this worker's warm parent where it can be (tests/warm_parent.py); killed when the test ends if it
-    runs still (no_process_outlives_its_test)."""
+    this worker's warm parent where it can be (tests/warm_parent.py), or a new interpreter (`cold`,
+    for a test that finds the run's MLflow sender among its children); killed when the test ends if
+    it runs still (no_process_outlives_its_test)."""
     command = [sys.executable, script, *overrides]
     popen = {"cwd": project, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env, **popen}
-    warm = _warm_parent()
+    warm = None if cold else _warm_parent()
     if warm is not None and warm.can_start(command, env, popen):
         process = WarmPopen(warm, command, **popen)
     else:

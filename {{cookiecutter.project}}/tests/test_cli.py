@@ -124,7 +124,7 @@ def test_a_signal_to_every_process_of_a_run_as_slurm_sends_it_stops_at_a_step_wi
         "trainer.log_every_n_steps=1",
         "data.num_workers=2",
     ]
-    process = start(project, *settings, env=gate.env)
+    process = start(project, *settings, env=gate.env, cold=True)  # its sender among its children
     gate.wait(process)
     # Training goes on to its next save, which waits for this one: the workers of an epoch that
     # ends meanwhile are gone until the next epoch's start, so they are waited for, not counted once.

@@ -40,7 +40,7 @@ def test_a_kill_9_right_after_a_save_loses_no_metric_of_the_steps_it_covers(proj
     senders = []
     for killed_at in (15, 20):  # the first leg's third save, the next leg's first
         gate = save_gate(match=f"step_{killed_at:08d}")
-        process = start(project, *settings, *["resume=last"] * bool(senders), env=gate.env)
+        process = start(project, *settings, *["resume=last"] * bool(senders), env=gate.env, cold=True)
         senders.append(kill_at_the_gate(gate.wait(process)))
         process.communicate(timeout=60)
         assert newest_valid(project / "checkpoints" / "demo")[1]["step"] == killed_at

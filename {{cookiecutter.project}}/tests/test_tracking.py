@@ -643,7 +643,9 @@ def sender_of(process: subprocess.Popen) -> int:
 
 def test_a_sender_killed_mid_run_loses_no_metric_and_the_run_still_ends_as_it_did(project):
     home = project / "checkpoints" / "demo"
-    process = start(project, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=50")
+    process = start(
+        project, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=50", cold=True
+    )
     while not metrics_in(project / "mlflow.db"):  # the sender has opened the run and delivers
         assert process.poll() is None, process.communicate()
         time.sleep(0.05)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import _warm_parent
+from conftest import _warm_parent, start
 from warm_parent import WarmPopen
 
 pytestmark = pytest.mark.slow
@@ -146,3 +146,30 @@ def test_a_request_that_fails_before_it_is_sent_leaves_the_warm_parent_serving(p
     process, report = started(probe, True)
     process.communicate("exit 0\n")  # waits for its end: the probe exits when told
     assert report["pid"] == process.pid and process.returncode == 0
+
+
+# A run that starts the MLflow sender as every tracked run does, and reports how it ended.
+STARTS_THE_SENDER = """
+import json, subprocess, sys
+import {{cookiecutter.package}}.engine.train
+
+command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", *sys.argv[1:]]
+sender = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+stdout, stderr = sender.communicate()
+print(json.dumps({"forked": type(sender).__name__ == "WarmPopen", "ended": [sender.returncode, stdout, stderr]}))
+"""
+
+
+def test_a_forked_runs_sender_is_forked_too_and_ends_as_a_new_interpreters(tmp_path):
+    (tmp_path / "run.py").write_text(STARTS_THE_SENDER)
+    reports = {}
+    for warm in (False, True):
+        process = start(tmp_path, "no-such-command", cold=not warm)
+        stdout, stderr = process.communicate()
+        assert process.returncode == 0, stderr
+        reports[warm] = json.loads(stdout)
+    assert (reports[False]["forked"], reports[True]["forked"]) == (False, True)
+    returncode, _, stderr = reports[True]["ended"]
+    # argparse's usage names the module's file: `python -m` set sys.argv[0] to it.
+    assert returncode == 2 and stderr.startswith("usage: tracking.py ")
+    assert reports[True]["ended"] == reports[False]["ended"]

@@ -9,6 +9,11 @@ status on). The child starts as a new interpreter would: the argv, working direc
 and standard streams of the request, `sys.path[0]` the script's folder, the signal handlers and
 RNG states of a fresh interpreter, no thread, socket or file of the warm parent's.
 
+A forked run's MLflow sender (`python -m <package>.engine.tracking drain`, which every tracked run
+starts) is forked by the warm parent too, which has imported MLflow: its parent is the warm parent,
+not the run, and its /proc cmdline the warm parent's, so a test that looks for the sender among the
+run's children starts the run with `start(..., cold=True)`.
+
 What a fork cannot give, a request that differs there is started cold (`can_start` says which): an
 environment variable that an interpreter or a library reads as it starts or is imported (PYTHON*,
 OMP_*, LD_*, ...), less the one exception used here: a folder put first on PYTHONPATH whose
@@ -38,12 +43,13 @@ from pathlib import Path
 # differs in one would not be the process it asks for.
 AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LANG", "LC_", "TZ")
 SCRIPTS = ("run.py", "eval.py", "export.py")
+MODULES = ("{{cookiecutter.package}}.engine.tracking",)  # the sender, as `python -m`, started by a forked run
 # Popen's arguments that a request carries; any other one set means a cold start.
 CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal_newlines", "bufsize", "cwd", "env"}
 CARRIED |= {"start_new_session"}
 MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
 IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
-IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "torch._dynamo")
+IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.sender", "torch._dynamo")
 
 
 class WarmParent:
@@ -53,6 +59,7 @@ class WarmParent:
         self._folder = tempfile.mkdtemp(prefix="warm-")  # a socket's path is short: not pytest's tmp_path
         self.path = os.path.join(self._folder, "warm.sock")
         self.env = dict(os.environ)
+        self.imports_set: dict[str, str] = {}  # what the warm parent's imports set, as a run of its has it
         ready, told_ready = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, __file__, self.path, str(told_ready)],
@@ -67,13 +74,19 @@ class WarmParent:
 
     def can_start(self, command: list[str], env: dict[str, str] | None, popen: dict) -> bool:
         """Whether a fork of this parent is the process `command` would start."""
-        if len(command) < 2 or command[0] != sys.executable or command[1] not in SCRIPTS:
+        if len(command) < 2 or command[0] != sys.executable:
             return False
-        if not set(popen) <= CARRIED or self.process.poll() is not None:
+        if command[1] not in SCRIPTS and (command[1] != "-m" or command[2:3] not in ([name] for name in MODULES)):
+            return False
+        if not set(popen) <= CARRIED or not self.serves():
             return False
         env = os.environ if env is None else env
         at_start = {key for key in {*env, *self.env} if key.startswith(AT_START)} - {"PYTHONPATH"}
-        return all(env.get(key) == self.env.get(key) for key in at_start) and _added_path(env, self.env) is not None
+        same = all(env.get(key) in (self.env.get(key), self.imports_set.get(key)) for key in at_start)
+        return same and _added_path(env, self.env) is not None
+
+    def serves(self) -> bool:
+        return self.process.poll() is None
 
     def stop(self) -> None:
         self.process.terminate()
@@ -154,6 +167,30 @@ def _added_path(env, parent_env) -> list[str] | None:
     return requested[: len(requested) - len(own)]
 
 
+class _ThisWarmParent(WarmParent):
+    """The warm parent as a run it forked sees it: where the run asks for its sender."""
+
+    def __init__(self, path: str, env: dict[str, str], imports_set: dict[str, str]) -> None:
+        self.path, self.env, self.imports_set = path, env, imports_set
+
+    def serves(self) -> bool:
+        return True  # it does while this run, its child, runs
+
+
+def _senders_forked_by(parent: _ThisWarmParent) -> None:
+    """`subprocess.Popen` in this forked run: a warm fork for the sender it starts, as before for
+    any other command."""
+    cold = subprocess.Popen
+
+    class Popen(cold):
+        def __new__(cls, args, *rest, **popen):
+            if not rest and isinstance(args, list) and parent.can_start(args, popen.get("env"), popen):
+                return WarmPopen(parent, args, **popen)
+            return super().__new__(cls)
+
+    subprocess.Popen = Popen
+
+
 def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: it ends with the pytest worker
 
@@ -161,11 +198,15 @@ def _die_with_parent() -> None:
 # --- the warm parent's side -----------------------------------------------------------------------
 
 
-def serve(path: str, ready: int) -> None:
+def serve(path: str, ready: int) -> list[str]:
     """Imports what a run imports, then forks a child for each request; returns in the child only,
-    once it is set up as the interpreter its request asks for."""
+    once it is set up as the interpreter its request asks for, the command it asked for."""
+    env = dict(os.environ)
     for name in IMPORTS:
         importlib.import_module(name)
+    # What the imports set (MLflow's request time-outs, ...): each child has it too, as it has
+    # the modules that set it, unless its request sets it.
+    imports_set = {key: value for key, value in os.environ.items() if env.get(key) != value}
     threads = len(os.listdir("/proc/self/task"))  # torch's own, started by its import
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -201,15 +242,17 @@ def serve(path: str, ready: int) -> None:
                 os.close(pidfd)
                 other.close()
             connection.close()
-            _as_new(json.loads(message), streams)
-            return
+            request = json.loads(message)
+            _senders_forked_by(_ThisWarmParent(path, env, imports_set))
+            _as_new(request, streams, imports_set)
+            return request["argv"]
         for stream in streams:
             os.close(stream)
         connection.send(str(pid).encode())
         children[os.pidfd_open(pid)] = (pid, connection)
 
 
-def _as_new(request: dict, streams: list[int]) -> None:
+def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> None:
     """This child as the interpreter that `python <script> ...` would start."""
     if request["session"]:
         os.setsid()
@@ -219,10 +262,14 @@ def _as_new(request: dict, streams: list[int]) -> None:
         os.close(stream)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = request["argv"][1:]
-    script = os.path.join(request["cwd"], sys.argv[0])
-    sys.path[:0] = [os.path.dirname(script), *request["added"]]
+    os.environ.update(imports_set | request["env"])
+    if request["argv"][1] == "-m":  # as `python -m` sets them while it finds the module
+        sys.argv = ["-m", *request["argv"][3:]]
+        sys.path[:0] = [request["cwd"], *request["added"]]
+    else:
+        sys.argv = request["argv"][1:]
+        script = os.path.join(request["cwd"], sys.argv[0])
+        sys.path[:0] = [os.path.dirname(script), *request["added"]]
     tempfile.tempdir = None  # read from TMPDIR again, as a new interpreter would
     # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork.
     import random
@@ -258,7 +305,22 @@ def run_as_main(script: str) -> None:
     exec(code, vars(main))
 
 
+def run_module_as_main(module: str) -> None:
+    """Runs `module` as `python -m <module>` runs it, in a new module `__main__`."""
+    import builtins
+    import runpy
+
+    sys.modules.pop(module, None)  # the engine imported it here; a new interpreter runs it first as __main__
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    runpy._run_module_as_main(module)  # what `python -m` calls
+
+
 if __name__ == "__main__":
     sys.path.pop(0)  # this folder's, which a run's interpreter would not have
-    serve(sys.argv[1], int(sys.argv[2]))
-    run_as_main(sys.argv[0])  # in the child only: the warm parent serves until it ends
+    command = serve(sys.argv[1], int(sys.argv[2]))  # in the child only: the warm parent serves until it ends
+    if command[1] == "-m":
+        run_module_as_main(command[2])
+    else:
+        run_as_main(sys.argv[0])
