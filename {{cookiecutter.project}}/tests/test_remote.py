@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -421,6 +423,35 @@ def test_a_resume_from_an_earlier_step_sets_the_newer_remote_checkpoints_aside_b
     )
 
 
+def test_a_newer_remote_checkpoint_whose_objects_are_gone_is_set_aside_once_and_the_uploads_go_on(
+    remote, tmp_path, caplog
+):
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20):
+        save(first, home, step, keep_last=3)
+    first.settle(30)
+    store.delete(f"{RUN}/step_00000020.pt")  # by hand, or a lifecycle rule
+    forged = json.loads(store.get_bytes(f"{RUN}/committed/step_00000020.json"))
+    forged |= {"step": 30, "files": {"step_00000030.pt": 1000}}  # a manifest naming an object never there
+    store.put_bytes(f"{RUN}/committed/step_00000030.json", json.dumps(forged).encode())
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 10)  # what a resume from step 10 (the newest whole one) does to the home
+    save(second, home, 20, keep_last=3)
+    said = second.settle(30)
+    assert said.startswith(f"remote: step_00000020.pt is in {store.url}/{RUN} (uploaded "), said
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    assert json.loads(store.get_bytes(f"{RUN}/committed/step_00000020.json"))["leg"] == "leg-2"
+    aside = {key for key in store.list(RUN) if key.startswith("set-aside-")}
+    folder = next(iter(aside)).split("/")[0]
+    assert aside == {f"{folder}/committed/step_00000020.json", f"{folder}/committed/step_00000030.json"}
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
+        "(step_00000020.pt, step_00000030.pt missing from the store: not moved)"
+    ]
+
+
 def test_a_resume_uploads_the_checkpoint_it_restored_where_the_leg_before_died_before_uploading_it(remote, tmp_path):
     home, store = tmp_path / "home", store_of(remote)
     first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
@@ -472,13 +503,13 @@ def test_resume_last_with_no_checkpoint_here_or_there_is_refused_naming_both(rem
     )
 
 
-@pytest.mark.parametrize("wait_s, lease_s", [(-1, 60), (25, 0)])
+@pytest.mark.parametrize("wait_s, lease_s", [(-1, 60), (25, 0), (25, 3601)])
 def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s):
     with pytest.raises(RunError) as refused, held(tmp_path / "home", str(tmp_path / "m"), "auto", wait_s, lease_s):
         pass
     assert str(refused.value) == (
         f"checkpoint.remote_wait_s={wait_s} must not be negative, and checkpoint.remote_lease_s={lease_s} must be "
-        "positive (seconds)"
+        "more than 0 and at most 3600 (seconds: no machine reads a claim of a longer lease)"
     )
     assert not (tmp_path / "m").exists()
 
@@ -594,6 +625,150 @@ def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_pa
     assert "lost the claim on" in said and "PID 1 on host-b (home /b)" in said
     assert claimed.lost.startswith(f"lost the claim on {store.url}/{RUN} to PID 1 on host-b")
     assert {key for key in keys(s3, remote) if key.startswith("committed/")} == {"committed/step_00000010.json"}
+
+
+def claim_of(s3, remote: str) -> dict:
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    return json.loads(s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")["Body"].read())
+
+
+def delete_claim(s3, remote: str) -> None:
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    s3.delete_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")
+
+
+def test_a_claim_deleted_under_a_live_run_is_made_again_by_its_holder_and_never_held_twice(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    store, home = store_of(remote), tmp_path / "home"
+    claimed = RemoteClaim(store, RUN, home, lease_s=60)
+    claimed.take()
+    mirror = Mirror(store, RUN, home, keep_last=3, leg=claimed.leg, known={}, fence=claimed.renew)
+    save(mirror, home, 10, keep_last=3)
+    assert mirror.wait_for(10, 30)
+    delete_claim(s3, remote)  # a clean-up, or a lifecycle rule
+    save(mirror, home, 20, keep_last=3)
+    assert mirror.wait_for(20, 30), "the fence before step 20's manifest made the claim again"
+    assert claim_of(s3, remote)["leg"] == claimed.leg
+    with pytest.raises(RunError, match=rf"^{re.escape(store.url)}/{RUN} is in use by PID {os.getpid()} "):
+        RemoteClaim(store, RUN, tmp_path / "b", lease_s=60).take()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [
+        f"the claim on {store.url}/{RUN} was gone from the store (deleted, or the store emptied): this machine holds "
+        "it again"
+    ]
+    # Deleted again, and another machine claims the run before this one renews: this one lost it.
+    delete_claim(s3, remote)
+    other = RemoteClaim(store, RUN, tmp_path / "b", lease_s=60)
+    other.take()
+    with pytest.raises(Lost, match=rf"^lost the claim on {re.escape(store.url)}/{RUN} to PID {os.getpid()} on "):
+        claimed.renew()
+    save(mirror, home, 30, keep_last=3)
+    assert "lost the claim on" in mirror.settle(30)
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    claimed.release()  # lost: leaves the other's claim alone
+    assert claim_of(s3, remote)["leg"] == other.leg and not claim_of(s3, remote)["released"]
+    delete_claim(s3, remote)
+    other.release()  # gone already: nothing to release, and no error
+
+
+def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_home_still_has(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
+    home = tmp_path / "home"
+    with held(home, remote, None, lease_s=1.5) as run:  # renewed every 0.5 s
+        mirror = run.mirroring(home, keep_last=3)
+        for step in (10, 20):
+            save(mirror, home, step, keep_last=3)
+            assert mirror.wait_for(step, 30)
+        with run.claimed._lock:  # the bucket deleted and made again, empty, between two renewals
+            for found in s3.list_objects_v2(Bucket=bucket_name).get("Contents", []):
+                s3.delete_object(Bucket=bucket_name, Key=found["Key"])
+            s3.delete_bucket(Bucket=bucket_name)
+            s3.create_bucket(Bucket=bucket_name)
+        deadline = time.monotonic() + 30
+        while manifests(s3, remote) != {"committed/step_00000010.json", "committed/step_00000020.json"}:
+            assert time.monotonic() < deadline, f"not uploaded again within 30 s: {keys(s3, remote)}"
+            time.sleep(0.05)
+        save(mirror, home, 30, keep_last=3)
+        assert mirror.wait_for(30, 30)
+        holder = claim_of(s3, remote)
+    assert holder["leg"] == run.claimed.leg and claim_of(s3, remote)["released"]
+    assert {"step_00000010.pt", "step_00000020.pt", "step_00000030.pt", "latest"} <= keys(s3, remote)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    at = f"{Store(remote).url}/{RUN}"
+    assert said == [
+        f"the claim on {at} was gone from the store (deleted, or the store emptied): this machine holds it again; "
+        f"{at} lost 2 checkpoint(s) too: uploading again those of {home} it lacks (step_00000010.pt, "
+        "step_00000020.pt)"
+    ]
+
+
+def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) -> None:
+    """A claim of another machine's, written as this project writes one."""
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    other = {"holder": f"PID 1 on {host}", "pid": 1, "host": host, "home": "/b", "leg": "b", "started": ""}
+    other |= {"lease_s": lease_s, "released": False, "renewals": 0, **changes}
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
+
+
+@pytest.mark.parametrize("lease_s", [7200, "60"])
+def test_a_claim_this_project_cannot_read_is_held_for_the_longest_lease_and_never_taken_over_silently(
+    bucket, tmp_path, lease_s
+):
+    remote, s3 = bucket
+    put_claim(s3, remote, lease_s)  # a live machine's, of a lease out of range, or another program's
+    with pytest.raises(RunError) as refused:
+        RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60).take()
+    assert re.fullmatch(
+        rf"{re.escape(Store(remote).url)}/{RUN} is in use by a claim this project did not write \(lease renewed \d+ s "
+        rf"ago, runs out in 3[56]\d\d s\); wait for that run to end \(or stop it\), or train separately with "
+        rf"name=<another name>",
+        str(refused.value),
+    ), refused.value
+    assert claim_of(s3, remote)["leg"] == "b"
+
+
+def test_a_new_machine_waits_for_a_lost_holder_on_another_host_to_run_out_and_takes_over(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    caplog.set_level(logging.INFO)
+    put_claim(s3, remote, lease_s=3)  # a machine taken away a moment ago: its lease runs 3 s yet
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=60)
+    claimed.take()
+    claimed.release()
+    said = [r.getMessage() for r in caplog.records if "host-b" in r.getMessage()]
+    assert re.fullmatch(
+        rf"{re.escape(store.url)}/{RUN} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless "
+        r"renewed: waiting to see which \(up to [2-5] s\)",
+        said[0],
+    ), said
+    assert re.fullmatch(
+        rf"took over {re.escape(store.url)}/{RUN} from PID 1 on host-b \(home /b\), whose lease ran out "
+        r"\d s ago",
+        said[1],
+    ), said
+    assert len(said) == 2
+
+
+def test_a_new_machine_that_waits_for_a_holder_on_another_host_is_refused_once_it_renews(bucket, tmp_path, monkeypatch):
+    remote, _ = bucket
+    store = store_of(remote)
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setattr(socket, "gethostname", lambda: "host-b")
+        alive = RemoteClaim(store, RUN, tmp_path / "a", lease_s=3)  # renewed every second
+    alive.take()
+    try:
+        with pytest.raises(RunError) as refused:
+            RemoteClaim(store, RUN, tmp_path / "b", lease_s=60).take()
+        assert re.fullmatch(
+            rf"{re.escape(store.url)}/{RUN} is in use by PID {os.getpid()} on host-b \(home {tmp_path / 'a'}\) \(lease "
+            r"renewed \d s ago, runs out in -?\d s; renewed while this machine waited: it lives\); wait for that run to "
+            r"end \(or stop it\), or train separately with name=<another name>",
+            str(refused.value),
+        ), refused.value
+        assert alive.lost is None
+    finally:
+        alive.release()
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -737,6 +912,25 @@ def test_a_kill_9_mid_upload_leaves_nothing_a_new_machine_picks_and_it_continues
     assert manifests(s3, remote) == {"committed/step_00000010.json", "committed/step_00000015.json"}
     assert "step_00000020.pt" in keys(s3, remote), "an object without a manifest is not this run's to delete"
     assert SECRET not in said
+
+
+@pytest.mark.slow
+def test_a_sweeps_jobs_mirror_each_its_own_home_and_a_new_machine_continues_each_from_its_own(project, bucket):
+    remote, s3 = bucket
+    sweep = ["-m", "optimizer.lr=1e-3,3e-3", f"name={RUN}", *QUIET, f"checkpoint.remote={remote}"]
+    first = run_cli(project, *sweep, "trainer.max_steps=10", timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    jobs = {lr: f"optimizer.lr={lr}" for lr in (0.001, 0.003)}  # each job's home: checkpoints/demo/<its overrides>
+    assert {f"{job}/committed/step_00000010.json" for job in jobs.values()} <= keys(s3, remote)
+    shutil.rmtree(project / "checkpoints")  # a new machine
+    second = run_cli(project, *sweep, "trainer.max_steps=20", "resume=auto", timeout=600)
+    said = second.stdout + second.stderr
+    assert second.returncode == 0, said
+    for lr, job in jobs.items():
+        assert f"fetched step_00000010.pt from {Store(remote).url}/{RUN}/{job} (" in said
+        continued = newest_valid(project / "checkpoints" / RUN / job).state
+        assert (continued["step"], continued["config"]["optimizer"]["lr"]) == (20, lr)
+    assert said.count("resumed at step 10 on cpu") == 2
 
 
 @pytest.mark.slow

@@ -61,6 +61,7 @@ class Mirror:
         self._crowded = False  # said that the checkpoints waiting outnumber keep_last
         self._changed = threading.Condition()
         self._resumed: int | None = None  # the step a resume restored, to set the newer copies aside at
+        self._recheck: str | None = None  # why the store's manifests are to be listed again (recheck)
         self._pins = mirrored(home, self)
         self._pins.__enter__()
         self._thread = threading.Thread(target=self._loop, name="checkpoint-upload", daemon=True)
@@ -139,10 +140,14 @@ class Mirror:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending or self._done < self._asked or self._closing)
-                resumed = self._resumed
+                resumed, recheck = self._resumed, self._recheck
                 if self._closing and not self._pending and self._done >= self._asked:
                     return
             try:
+                if recheck is not None:
+                    self._restore(recheck)
+                    with self._changed:
+                        self._recheck = None if self._recheck == recheck else self._recheck
                 if resumed is not None:
                     self._set_aside(resumed)
                     with self._changed:
@@ -219,20 +224,53 @@ class Mirror:
     def _set_aside(self, step: int) -> None:
         """The remote checkpoints past `step`, each moved into `set-aside-<time>-after-step-<step>/`:
         its objects copied, its manifest copied, then removed (from here no resume sees it), then
-        the objects it lists."""
+        the objects it lists. An object already gone (deleted by hand or a lifecycle rule, or never
+        there: a manifest from elsewhere) is said, and its manifest moved without it."""
         with self._changed:
             newer = {number: found for number, found in self._remote.items() if number > step}
         if not newer:
             return
         folder = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+        missing = []
         for number, found in sorted(newer.items()):
             for key, size in manifest.objects(found).items():
-                self.store.copy(f"{self.run}/{key}", f"{self.run}/{folder}/{key}", size)
+                try:
+                    self.store.copy(f"{self.run}/{key}", f"{self.run}/{folder}/{key}", size)
+                except FileNotFoundError:
+                    missing.append(key)
             self.store.put_bytes(f"{self.run}/{folder}/{manifest.key_of(number)}", json.dumps(found, indent=1).encode())
             self._delete(number, found)
-        log.info(
-            f"resuming from step {step}: the newer checkpoints of {self.store.at(self.run)} are moved to {folder}/"
-        )
+        said = f"resuming from step {step}: the newer checkpoints of {self.store.at(self.run)} are moved to {folder}/"
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            log.warning(f"{said} ({shown} missing from the store: not moved)")
+        else:
+            log.info(said)
+
+    def recheck(self, said: str) -> None:
+        """The claim was gone from the store, and is this machine's again (`said`, remote_claim.py):
+        the store may have lost the run's checkpoints with it (emptied, or its bucket made again).
+        What it lacks of the home's is uploaded again; said in one line with `said`."""
+        with self._changed:
+            self._recheck = said
+            self._asked += 1
+            self._changed.notify_all()
+
+    def _restore(self, said: str) -> None:
+        """What the store holds of the run, listed again; the home's checkpoints it lacks, to upload."""
+        known = manifest.committed(self.store, self.run)
+        with self._changed:
+            gone = sorted(step for step in self._remote if not isinstance(known.get(step), dict))
+            self._remote = {step: found for step, found in known.items() if isinstance(found, dict)}
+            lacking = {step: path for step, path in steps(self.home) if step not in self._remote}
+            self._pending.update(lacking)
+        if gone:
+            names = ", ".join(path.name for _, path in sorted(lacking.items())) or "none"
+            said += (
+                f"; {self.store.at(self.run)} lost {len(gone)} checkpoint(s) too: uploading again those of "
+                f"{self.home} it lacks ({names})"
+            )
+        log.warning(said)
 
     def _prune_remote(self) -> None:
         """The remote checkpoints of this run that local retention removed, but for the newest

@@ -4,9 +4,15 @@ only where there is none), renewed every third of its lease with another (If-Mat
 is still the version this machine wrote), and released at the end. A claim whose lease ran out, by
 the store's own clock (its Date header less the object's Last-Modified: no two machines' clocks are
 compared), or whose holder was a process of this machine that ended, is taken over, by one machine
-only: a second conditional write loses. A machine whose
+only: a second conditional write loses. A holder on another machine whose lease runs out within this
+machine's own is waited for: renewed meanwhile, it lives, and this machine is refused; not renewed,
+it is taken over. Each renewal writes a new version (its count changes), so that a renewal shows. A
+claim this module cannot read (another program's, damaged) is held, as far as this machine can
+tell, for the longest lease it accepts, and a takeover of it is said. A machine whose
 claim was taken over learns it at its next renewal, and stops; the mirror renews right before each
-manifest, so that it publishes nothing after it lost the run.
+manifest, so that it publishes nothing after it lost the run. A claim gone from the store (deleted,
+the bucket emptied) is made again by its holder's next renewal, only where no other machine made one
+first (If-None-Match): else that is a lost claim.
 
 A mounted folder is claimed as a home is (claim.py: a POSIX lock on `run.lock`).
 """
@@ -19,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import RunError, shown
@@ -30,7 +36,10 @@ from .remote import Conflict, Read, Store, StoreError
 log = logging.getLogger(__name__)
 
 CLAIM = "claim.json"
-MOST_LEASE_S = 3600.0  # what a claim read from the store may say of its lease, at most
+# checkpoint.remote_lease_s at most, and what a claim read from the store may say of its lease; a
+# claim this module cannot read is taken to hold for this long.
+MOST_LEASE_S = 3600.0
+POLL_S = 1.0  # how often a machine waiting for a holder's lease to run out reads its claim
 RELEASE_S = 5.0  # a run's end waits no longer to release its claim: unreleased, it runs out
 
 
@@ -51,11 +60,15 @@ class RemoteClaim:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "lease_s": lease_s,
             "released": False,
+            "renewals": 0,
         }
         self._etag: str | None = None
         self._lock = threading.Lock()
         self._ended = threading.Event()
         self.lost: str | None = None
+        # Told, in one line, that the claim was gone from the store and is this machine's again: the
+        # mirror (remote_run.py) checks then what else the store lost.
+        self.remade: Callable[[str], None] = log.warning
 
     def take(self) -> None:
         """Holds the run's folder, or raises a RunError naming the machine that does."""
@@ -71,41 +84,91 @@ class RemoteClaim:
             except FileNotFoundError:  # released by a delete in between
                 continue
             holder = _holder(found)
-            lease = holder["lease_s"] if holder else self.lease_s
-            if not (holder is None or holder["released"] or found.age_s > lease or _ended_here(holder)):
-                raise RunError(
-                    f"{self.at} is in use by {_who(holder)} (lease renewed {found.age_s:.0f} s ago, runs out in "
-                    f"{lease - found.age_s:.0f} s); wait for that run to end (or stop it), or train separately with "
-                    f"name=<another name>"
-                )
+            if not _free(found, holder):
+                found = self._outlive(found, holder)
+                if found is None:  # deleted while this machine waited
+                    continue
+                holder = _holder(found)
             try:
                 self._etag = self.store.put_bytes(self.key, body, if_match=found.etag)
             except Conflict:
                 continue
-            if holder is not None and not holder["released"]:
-                why = "which ended" if _ended_here(holder) else f"whose lease ran out {found.age_s - lease:.0f} s ago"
-                log.warning(f"took over {self.at} from {_who(holder)}, {why}")
+            if holder is None or not holder["released"]:
+                log.warning(f"took over {self.at} from {_who(holder)}, {_why_free(found, holder)}")
             break
         else:
             raise RunError(f"{self.at}: the claim kept changing under this machine's writes; run again")
         threading.Thread(target=self._renewing, name="checkpoint-claim", daemon=True).start()
 
+    def _outlive(self, found: Read, holder: dict | None) -> Read | None:
+        """The live claim `found`, waited for where its holder is on another machine and its lease
+        runs out within this machine's own (a machine taken away, and its replacement started at
+        once): returned once its lease ran out or it was released (None: deleted), to take over.
+        Refused at once, or once it was renewed meanwhile (it lives)."""
+        left = _lease(holder) - found.age_s
+        if (holder is not None and holder.get("host") == socket.gethostname()) or left > self.lease_s:
+            raise self._refused(found, holder)
+        log.info(
+            f"{self.at} is held by {_who(holder)}, whose lease runs out in {left:.0f} s unless renewed: waiting to "
+            f"see which (up to {left + 2 * POLL_S:.0f} s)"
+        )
+        deadline = time.monotonic() + left + 2 * POLL_S  # the store's clock says whole seconds
+        now = found
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            try:
+                now = self.store.read(self.key)
+            except FileNotFoundError:
+                return None
+            if _free(now, _holder(now)):
+                return now
+            if now.etag != found.etag:
+                raise self._refused(now, _holder(now), "renewed while this machine waited: it lives")
+        raise self._refused(now, holder)
+
+    def _refused(self, found: Read, holder: dict | None, why: str = "") -> RunError:
+        lease = _lease(holder)
+        return RunError(
+            f"{self.at} is in use by {_who(holder)} (lease renewed {found.age_s:.0f} s ago, runs out in "
+            f"{lease - found.age_s:.0f} s{'; ' + why if why else ''}); wait for that run to end (or stop it), or train "
+            f"separately with name=<another name>"
+        )
+
     def renew(self) -> None:
         """The claim's lease, started again; Lost where another machine holds the run now. A store
-        that does not answer delays the renewal (StoreError)."""
+        that does not answer delays the renewal (StoreError). A claim gone from the store is made
+        again, where no other machine made one first."""
         with self._lock:
             if self.lost is not None:
                 raise Lost(self.lost)
+            self._holder["renewals"] += 1
+            body = json.dumps(self._holder).encode()
             try:
-                self._etag = self.store.put_bytes(self.key, json.dumps(self._holder).encode(), if_match=self._etag)
+                self._etag = self.store.put_bytes(self.key, body, if_match=self._etag)
+            except FileNotFoundError:  # deleted by hand or a lifecycle rule, or the bucket emptied
+                self._take_again(body)
             except Conflict:
-                found = self._found()
-                holder = found and _holder(found)
-                if holder is not None and holder.get("leg") == self.leg:  # a renewal that timed out here, yet landed
-                    self._etag = found.etag
-                    return
-                self.lost = f"lost the claim on {self.at} to {_who(holder) if found else 'another machine'}"
-                raise Lost(self.lost) from None
+                self._lose()
+
+    def _take_again(self, body: bytes) -> None:
+        try:
+            self._etag = self.store.put_bytes(self.key, body, create=True)
+        except Conflict:
+            self._lose()
+        self.remade(
+            f"the claim on {self.at} was gone from the store (deleted, or the store emptied): this machine holds it again"
+        )
+
+    def _lose(self) -> None:
+        """Raises Lost, naming the claim's holder, unless the claim is this machine's write whose
+        answer never came (a renewal that timed out here, yet landed)."""
+        found = self._found()
+        holder = found and _holder(found)
+        if holder is not None and holder.get("leg") == self.leg:
+            self._etag = found.etag
+            return
+        self.lost = f"lost the claim on {self.at} to {_who(holder) if found else 'another machine'}"
+        raise Lost(self.lost) from None
 
     def release(self) -> None:
         """The claim, marked released (a conditional PUT: more stores take it than a conditional
@@ -117,6 +180,8 @@ class RemoteClaim:
             try:
                 released = json.dumps({**self._holder, "released": True}).encode()
                 self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
+            except FileNotFoundError:  # gone from the store already: nothing holds the run
+                pass
             except StoreError as error:
                 log.warning(f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after")
 
@@ -155,9 +220,30 @@ def _holder(found: Read) -> dict | None:
     return holder
 
 
-def _ended_here(holder: dict) -> bool:
+def _lease(holder: dict | None) -> float:
+    """The lease of the claim `holder`; of one this module cannot read, the longest it accepts."""
+    return MOST_LEASE_S if holder is None else holder["lease_s"]
+
+
+def _free(found: Read, holder: dict | None) -> bool:
+    """Whether the claim `found` may be taken over: released, its lease run out, or its holder a
+    process of this machine that ended."""
+    return (holder is not None and holder["released"]) or found.age_s > _lease(holder) or _ended_here(holder)
+
+
+def _why_free(found: Read, holder: dict | None) -> str:
+    if holder is None:
+        return f"unchanged for {found.age_s:.0f} s, longer than any lease this project writes ({MOST_LEASE_S:g} s)"
+    if _ended_here(holder):
+        return "which ended"
+    return f"whose lease ran out {found.age_s - holder['lease_s']:.0f} s ago"
+
+
+def _ended_here(holder: dict | None) -> bool:
     """Whether the claim's holder was a process of this machine that is gone (a kill -9, and the
     job's next leg, or a standby, on the same machine): no need to wait for its lease."""
+    if holder is None:
+        return False
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
         return False

@@ -17,12 +17,14 @@ from omegaconf import DictConfig
 
 from .. import distributed
 from ..errors import RunError
+from ..sweeps import current_job
 from . import manifest
 from .claim import claim
 from .fetch import fetch
 from .home import steps
 from .mirror import Mirror
 from .remote import Store, StoreError
+from .remote_claim import MOST_LEASE_S
 from .remote_claim import held as held_remotely
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ class RemoteRun:
         fence = self.claimed.renew if self.claimed is not None else lambda: None
         leg = self.claimed.leg if self.claimed is not None else ""
         self.mirror = Mirror(self.store, self.run, home, keep_last, leg, self.known, fence)
+        if self.claimed is not None:  # a claim gone from the store: what else did it lose?
+            self.claimed.remade = self.mirror.recheck
         return self.mirror
 
     def settle(self) -> None:
@@ -78,12 +82,13 @@ def held(cfg: DictConfig) -> Iterator[RemoteRun | None]:
 @contextlib.contextmanager
 def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
     settings = cfg.checkpoint
-    if settings.remote_wait_s < 0 or settings.remote_lease_s <= 0:
+    if settings.remote_wait_s < 0 or not 0 < settings.remote_lease_s <= MOST_LEASE_S:
         raise RunError(
             f"checkpoint.remote_wait_s={settings.remote_wait_s} must not be negative, and "
-            f"checkpoint.remote_lease_s={settings.remote_lease_s} must be positive (seconds)"
+            f"checkpoint.remote_lease_s={settings.remote_lease_s} must be more than 0 and at most {MOST_LEASE_S:g} "
+            f"(seconds: no machine reads a claim of a longer lease)"
         )
-    store, home, name = Store(settings.remote), Path(settings.dir), cfg.name
+    store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg)
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
             f"checkpoint.remote={store.url} holds the run's home {home}, or lies in it: give a folder elsewhere (the "
@@ -144,6 +149,12 @@ def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
         return fetch(store, name, home, known)
     except StoreError as error:
         raise RunError(f"checkpoint.remote: {error}; check the store and its credentials, then run again") from None
+
+
+def folder_of(cfg: DictConfig) -> str:
+    """The run's folder under checkpoint.remote, named as its home is under checkpoints/: `<name>`,
+    and a sweep job's `<name>/<its folder>` (sweeps.Job: its overrides), so that no two jobs share one."""
+    return cfg.name if current_job() is None else f"{cfg.name}/{Path(cfg.checkpoint.dir).name}"
 
 
 def _overlap(one: Path, other: Path) -> bool:
