@@ -20,7 +20,7 @@ from ..errors import RunError
 from . import manifest
 from .claim import claim
 from .fetch import fetch
-from .home import steps
+from .home import ASIDE, NAME, steps
 from .mirror import Mirror
 from .remote import Store, StoreError
 from .remote_claim import held as held_remotely
@@ -94,7 +94,7 @@ def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
         with contextlib.ExitStack() as stack:
             claimed = stack.enter_context(held_remotely(store, name, home, settings.remote_lease_s))
             known = manifest.committed(store, name)
-            if aborted := store.abort_uploads(name):
+            if aborted := store.abort_uploads(name, _owned):
                 log.info(f"aborted {aborted} upload(s) to {store.at(name)} that an earlier leg left incomplete")
             if fresh and any(isinstance(found, dict) for found in known.values()):
                 raise RunError(
@@ -144,6 +144,14 @@ def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
         return fetch(store, name, home, known)
     except StoreError as error:
         raise RunError(f"checkpoint.remote: {error}; check the store and its credentials, then run again") from None
+
+
+def _owned(key: str) -> bool:
+    """Whether `key`, relative to the run's remote folder, is the run's own: a file in it, or in its
+    checkpoints' folders, its manifests' or its set-asides'; never one of a run named under it (`a/b`
+    under `a`), whose uploads in flight are its own."""
+    top, under, _ = key.partition("/")
+    return not under or top == manifest.FOLDER or NAME.fullmatch(top) is not None or top.startswith(ASIDE)
 
 
 def _overlap(one: Path, other: Path) -> bool:
