@@ -210,11 +210,11 @@ class Store:
             self._call("_rm_file", self._path(key), key=key)
 
     def abort_uploads(self, prefix: str, own: Callable[[str], bool]) -> int:
-        """The uploads under `prefix/` that never completed, of the keys (relative to it) that are
-        `own`, aborted; how many: S3's multipart uploads (a kill mid-upload leaves them, invisible,
-        and their parts are billed), a mounted folder's temporary files. Only for a run that holds
-        `prefix`, whose uploads no other machine makes; a run named under it (`a/b` under `a`) makes
-        its own, which `own` leaves out."""
+        """The uploads under `prefix/` that never completed, aborted; how many: S3's multipart
+        uploads (a kill mid-upload leaves them, invisible, and their parts are billed), a mounted
+        folder's temporary files. Only for a run that holds `prefix`, whose uploads no other machine
+        makes, and only where `own(key)` (a key relative to `prefix`, a folder's ending in `/`) says
+        they are its: a run named under it (`a/b` under `a`) makes uploads of its own."""
         if self.folder is not None:
 
             def clean() -> int:

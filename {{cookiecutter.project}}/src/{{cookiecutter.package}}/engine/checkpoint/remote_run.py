@@ -83,6 +83,13 @@ def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
             f"checkpoint.remote_wait_s={settings.remote_wait_s} must not be negative, and "
             f"checkpoint.remote_lease_s={settings.remote_lease_s} must be positive (seconds)"
         )
+    parts = cfg.name.split("/")
+    if (clash := next((number for number in range(1, len(parts)) if _owned(f"{parts[number]}/")), None)) is not None:
+        raise RunError(
+            f"name={cfg.name}: {parts[clash]} is a folder that the run {'/'.join(parts[:clash])} keeps in its remote "
+            f"folder (step_<N>/, committed/, set-aside-*/), which would take this run's objects for its own; give the "
+            f"run another name"
+        )
     store, home, name = Store(settings.remote), Path(settings.dir), cfg.name
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
