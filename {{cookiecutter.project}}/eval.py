@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
+from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 
 
@@ -24,6 +25,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    refuse_typed(sys.argv)  # a checkpoint.remote with a secret: before Hydra prints what it cannot parse
     typed = list(sys.argv)
     tracking.start_sender()
     from {{cookiecutter.package}}.engine.saved_model import take  # imports torch: after the sender starts

@@ -72,12 +72,17 @@ def store_of(remote: str) -> Store:
     "url",
     [
         f"s3://AKIAEXAMPLE:{SECRET}@bkt/runs",
+        f"s3://AKIAEXAMPLE:x/{SECRET}@bkt/runs",  # an AWS secret key holds '/': no parser finds where it ends
         f"s3://{SECRET}@bkt/runs",
         f"s3://bkt/runs?X-Amz-Signature={SECRET}",
         f"az://container/runs?sv=2024&sig={SECRET}",
+        f"az://container:{SECRET}@account/runs",
         f"gs://bkt/runs#{SECRET}",
         f"simplecache::{SECRET}::s3://bkt/runs",
+        f"simplecache::s3://bkt/runs::AKIAEXAMPLE:{SECRET}",  # the part after the last '::'
+        f"AKIAEXAMPLE:{SECRET}@bkt/runs",  # s3:// left out
         f"file:///tmp/runs?{SECRET}",
+        f"file://me:{SECRET}@host/runs",
     ],
 )
 def test_a_url_that_carries_a_credential_is_refused_in_one_line_that_does_not_repeat_it(url, monkeypatch):
@@ -87,12 +92,22 @@ def test_a_url_that_carries_a_credential_is_refused_in_one_line_that_does_not_re
     with pytest.raises(RunError) as refused:
         Store(url)
     said = str(refused.value)
-    assert SECRET not in said and "\n" not in said
+    assert SECRET not in said and "AKIAEXAMPLE" not in said and "\n" not in said
     assert said.startswith("checkpoint.remote=") and "credentials come from the store's own environment" in said
 
 
 @pytest.mark.parametrize(
-    "url", ["s3://bkt/runs", "gs://bkt/runs", "az://container@account/runs", "/mnt/shared/runs", "file:///mnt/runs"]
+    "url",
+    [
+        "s3://bkt/runs",
+        "gs://bkt/runs",
+        "az://container@account/runs",
+        "/mnt/shared/runs",
+        "/mnt/shared/v1:runs@2024",
+        "file:///mnt/runs",
+        "file://localhost/mnt/runs",
+        "C:\\runs",
+    ],
 )
 def test_a_stores_folder_without_credentials_is_accepted(url):
     assert checked(url) == url
@@ -113,9 +128,24 @@ def test_a_store_whose_package_is_missing_is_refused_naming_what_to_install(monk
     )
 
 
-def test_a_url_of_no_store_is_refused_naming_what_is():
-    with pytest.raises(RunError, match=r"^checkpoint.remote=http://host/runs is not a store's folder; give s3://"):
-        Store("http://host/runs")
+@pytest.mark.parametrize(
+    "url, said",
+    [
+        ("http://host/runs", "checkpoint.remote=http://... is not a store's folder"),
+        # Each of these was a folder on this machine's disk, the one a preemption takes away: `ｓ3:/bkt/runs`
+        # under the working folder (a fullwidth s, a fullwidth colon, a scheme with '_'), `/runs` (the host dropped).
+        ("ｓ3://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
+        ("s3：//bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
+        ("my_store://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
+        ("file://shared/runs", "checkpoint.remote=file://... names a host, which a file:// URL cannot reach"),
+    ],
+)
+def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_folder(url, said, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RunError) as refused:
+        Store(url)
+    assert str(refused.value).startswith(f"{said}") and "; give s3://<bucket>/<folder>, " in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -125,18 +155,51 @@ def test_a_url_of_no_store_is_refused_naming_what_is():
         ["eval.py", "checkpoint=last", f"checkpoint.remote='s3://bkt/runs?X-Amz-Signature={SECRET}'"],
         ["export.py", "checkpoint=last", f"checkpoint.remote=s3://{SECRET}@bkt/runs"],
         ["run.py", "-m", f"checkpoint.remote=s3://bkt/a,s3://AKIAEXAMPLE:{SECRET}@bkt/b"],  # one of a sweep's
+        ["run.py", f"checkpoint.remote=s3://bkt/runs#{SECRET}"],  # unquoted: Hydra's parser would print it whole
+        ["run.py", "-m", f"checkpoint.remote=s3://bkt/a,s3://bkt/b#{SECRET}"],
+        ["run.py", f"checkpoint.remote=simplecache::s3://bkt/runs::AKIAEXAMPLE:{SECRET}"],
+        ["run.py", f"checkpoint.remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs", "--cfg", "job"],  # Hydra would print it
     ],
-    ids=["run", "eval", "export", "sweep"],
+    ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"],
 )
-def test_a_typed_url_with_a_credential_is_refused_before_hydra_writes_the_command_line_down(project, command):
+def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(project, command):
     script, *overrides = command
     refused = run_cli(project, *overrides, script=script)
+    assert_refused_without_a_trace(refused, project)
+
+
+def assert_refused_without_a_trace(refused: subprocess.CompletedProcess, project: Path) -> None:
+    """Refused in one line that repeats none of the URL, before Hydra prints anything or writes a file
+    (the launcher's `#0 : ...` lines, multirun.yaml, a job's .hydra/)."""
     assert refused.returncode == 2, refused.stderr
     said = refused.stdout + refused.stderr
-    assert said.strip().startswith("error: checkpoint.remote=s3://bkt/") and said.strip().count("\n") == 0, said
-    assert SECRET not in said
-    written = [path for path in project.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
-    assert written == []  # Hydra's .hydra/overrides.yaml and multirun.yaml are written after the check
+    assert said.startswith("error: checkpoint.remote=") and said.count("\n") == 1, said
+    assert SECRET not in said and "AKIAEXAMPLE" not in said
+    assert sorted(path.name for path in project.iterdir()) == ["configs", "eval.py", "export.py", "run.py"]
+    assert [path for path in project.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()] in (
+        [],
+        [project / "configs" / "config.yaml"],
+        [project / "configs" / "experiment" / "keyed.yaml"],
+    )  # the test's own
+
+
+KEYED = f"s3://bkt/a,s3://AKIAEXAMPLE:{SECRET}@bkt/b"
+
+
+@pytest.mark.parametrize("where", ["experiment", "config.yaml", "config.yaml, not a sweep"])
+def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_or_writes_it(project, where):
+    """`hydra.sweeper.params`, in an experiment or the project's config.yaml: the launcher prints each
+    job's overrides and writes them to multirun.yaml and the job's .hydra/; a run that is no sweep
+    writes them to .hydra/hydra.yaml."""
+    params = f"  sweeper:\n    params:\n      checkpoint.remote: {KEYED}\n"
+    if where == "experiment":
+        (project / "configs" / "experiment" / "keyed.yaml").write_text(f"# @package _global_\nhydra:\n{params}")
+        overrides = ["-m", "experiment=keyed"]
+    else:
+        config = project / "configs" / "config.yaml"
+        config.write_text(config.read_text().replace("hydra:\n", f"hydra:\n{params}"))
+        overrides = [] if where.endswith("not a sweep") else ["-m"]
+    assert_refused_without_a_trace(run_cli(project, *overrides, "trainer.max_steps=2"), project)
 
 
 # --- the store ----------------------------------------------------------------------------------
@@ -390,6 +453,53 @@ def test_the_multipart_uploads_an_earlier_leg_left_incomplete_are_aborted_and_no
         pass
     left = s3.list_multipart_uploads(Bucket=bucket_name).get("Uploads", [])
     assert [upload["Key"] for upload in left] == [f"{prefix}/other/step_00000020.pt"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "folder"])
+def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_it(kind, request, tmp_path, caplog):
+    """`name=demo/b` lives under `demo/`: while it uploads, `demo` starting aborts none of its uploads."""
+    caplog.set_level(logging.INFO)
+    own = ["step_00000030/__0_0.distcp", "committed/step_00000030.json", "set-aside-20260101-000000-after-step-10/x.pt"]
+    nested = ["b/step_00000020.pt", "b/step_00000030/__0_0.distcp", "b/c/step_00000020.pt"]
+    if kind == "folder":
+        remote = str(tmp_path / "mounted")
+        for key in own + nested:  # a copy in flight: files.temporary's name beside the object's
+            (path := tmp_path / "mounted" / RUN / f"{key}.4711-0a1b2c3d.tmp").parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+    else:
+        remote, s3 = request.getfixturevalue("bucket")
+        bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+        for key in own + nested:
+            upload = s3.create_multipart_upload(Bucket=bucket_name, Key=f"{prefix}/{RUN}/{key}")
+            s3.upload_part(
+                Bucket=bucket_name, Key=f"{prefix}/{RUN}/{key}", UploadId=upload["UploadId"], PartNumber=1, Body=b"x"
+            )
+    with held(tmp_path / "home", remote, "auto"):
+        pass
+    if kind == "folder":
+        left = sorted(
+            path.relative_to(tmp_path / "mounted" / RUN).as_posix()
+            for path in (tmp_path / "mounted" / RUN).rglob("*.tmp")
+        )
+        assert left == sorted(f"{key}.4711-0a1b2c3d.tmp" for key in nested)
+    else:
+        uploads = s3.list_multipart_uploads(Bucket=bucket_name).get("Uploads", [])
+        assert sorted(upload["Key"] for upload in uploads) == sorted(f"{prefix}/{RUN}/{key}" for key in nested)
+    assert f"aborted 3 upload(s) to {store_of(remote).url}/{RUN} that an earlier leg left incomplete" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["demo/committed", "demo/step_00000030", "demo/set-aside-x/b"])
+def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
+    settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
+    config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
+    with pytest.raises(RunError) as refused, remote_run.held(config):
+        pass
+    part = name.split("/")[1]
+    assert str(refused.value) == (
+        f"name={name}: {part} is a folder that the run demo keeps in its remote folder (step_<N>/, committed/, "
+        "set-aside-*/), which would take this run's objects for its own; give the run another name"
+    )
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_resume_from_an_earlier_step_sets_the_newer_remote_checkpoints_aside_before_uploading(remote, tmp_path):

@@ -34,6 +34,7 @@ POINTER = "latest"
 BEST = "best"  # names the checkpoint of the best optimized_metric, which retention keeps
 SCORES = "scores.json"  # the ranking for `best`: each checkpoint's optimized_metric, which it also holds itself
 LOCK = "run.lock"
+ASIDE = "set-aside-"  # the folders a resume from an earlier step moves the newer checkpoints into (aside)
 NAME = re.compile(r"step_(\d{8,})(\.pt)?")  # as path_of writes them: a user's step_7.pt is not ours
 # The temporary files and folders the package writes (files.temporary), and so the only ones it
 # removes: `step_00000100.pt.<tag>.tmp`, `step_00000100.<tag>.tmp/`, `latest.<tag>.tmp`, `best.<tag>.tmp`,
@@ -289,6 +290,11 @@ def _score(score: object) -> Score | None:
         return None
 
 
+def aside(step: int) -> str:
+    """The name of a folder that a resume from `step`, now, sets the newer checkpoints aside in."""
+    return f"{ASIDE}{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+
+
 def set_aside_newer(home: Path, step: int) -> Path | None:
     """Moves the checkpoints of `home` past `step` into a subfolder, and returns it: a run resumed
     from an earlier step must not be pruned away by, or lose `resume=last` to, the future it
@@ -298,7 +304,7 @@ def set_aside_newer(home: Path, step: int) -> Path | None:
     newer = [path for number, path in steps(home) if number > step]
     if not newer:
         return None
-    name = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+    name = aside(step)
     for attempt in itertools.count():  # a new folder: one that is there already (a link, say) is not ours
         folder = home / (name if attempt == 0 else f"{name}-{attempt}")
         with contextlib.suppress(FileExistsError):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..goodput import LEDGER as GOODPUT
 from . import manifest
-from .home import BEST, POINTER, SCORES, best_of, mirrored, prune, step_of, steps
+from .home import BEST, POINTER, SCORES, aside, best_of, mirrored, prune, step_of, steps
 from .remote import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Mirror:
             newer = {number: found for number, found in self._remote.items() if number > step}
         if not newer:
             return
-        folder = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+        folder = aside(step)
         missing = []
         for number, found in sorted(newer.items()):
             for key, size in manifest.objects(found).items():

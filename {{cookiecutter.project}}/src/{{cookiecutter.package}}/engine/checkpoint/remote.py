@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from ..errors import RunError
+from ..errors import RunError, shown
 from .files import open_regular, remove, write_atomically, write_new
-from .remote_url import PACKAGES, checked, shown_url
+from .remote_url import PACKAGES, checked
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ class Store:
 
     def __init__(self, url: str, deadline_s: float = DEADLINE_S) -> None:
         url = checked(url).rstrip("/")
-        self.url, self.deadline_s = shown_url(url), deadline_s
+        self.url, self.deadline_s = shown(url), deadline_s  # checked: no secret in it
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         self.folder: Path | None = None
@@ -209,16 +209,21 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self._call("_rm_file", self._path(key), key=key)
 
-    def abort_uploads(self, prefix: str) -> int:
+    def abort_uploads(self, prefix: str, own: Callable[[str], bool]) -> int:
         """The uploads under `prefix/` that never completed, aborted; how many: S3's multipart
         uploads (a kill mid-upload leaves them, invisible, and their parts are billed), a mounted
         folder's temporary files. Only for a run that holds `prefix`, whose uploads no other machine
-        makes."""
+        makes, and only where `own(key)` (a key relative to `prefix`, a folder's ending in `/`) says
+        they are its: a run named under it (`a/b` under `a`) makes uploads of its own."""
         if self.folder is not None:
 
             def clean() -> int:
-                left = [Path(folder, name) for folder, _, names in os.walk(self.folder / prefix) for name in names]
-                for path in (left := [path for path in left if SCRATCH.fullmatch(path.name)]):
+                top, left = self.folder / prefix, []
+                for folder, folders, names in os.walk(top):
+                    inside = Path(folder).relative_to(top)
+                    folders[:] = [name for name in folders if own(f"{(inside / name).as_posix()}/")]
+                    left += [Path(folder, name) for name in names if SCRATCH.fullmatch(name)]
+                for path in left:
                     remove(path)
                 return len(left)
 
@@ -229,11 +234,12 @@ class Store:
 
         async def abort() -> int:
             found = await self.fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{name}/")
-            for upload in found.get("Uploads", []):
+            ours = [upload for upload in found.get("Uploads", []) if own(upload["Key"][len(name) + 1 :])]
+            for upload in ours:
                 await self.fs._call_s3(
                     "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                 )
-            return len(found.get("Uploads", []))
+            return len(ours)
 
         return self._call(abort, key=prefix)
 
@@ -308,7 +314,7 @@ def _filesystem(scheme: str, url: str):
         fs = fsspec.filesystem(scheme, **options)
     except ImportError:
         raise RunError(
-            f"checkpoint.remote={shown_url(url)} needs the package {PACKAGES[scheme]}: pip install "
+            f"checkpoint.remote={shown(url)} needs the package {PACKAGES[scheme]}: pip install "
             f"{PACKAGES[scheme]}" + (" (or the project's extra: pip install -e '.[remote]')" if scheme == "s3" else "")
         ) from None
     if scheme == "s3":

@@ -21,7 +21,7 @@ from ..sweeps import current_job
 from . import manifest
 from .claim import claim
 from .fetch import fetch
-from .home import steps
+from .home import ASIDE, NAME, steps
 from .mirror import Mirror
 from .remote import Store, StoreError
 from .remote_claim import MOST_LEASE_S
@@ -88,6 +88,13 @@ def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
             f"checkpoint.remote_lease_s={settings.remote_lease_s} must be more than 0 and at most {MOST_LEASE_S:g} "
             f"(seconds: no machine reads a claim of a longer lease)"
         )
+    parts = cfg.name.split("/")
+    if (clash := next((number for number in range(1, len(parts)) if _owned(f"{parts[number]}/")), None)) is not None:
+        raise RunError(
+            f"name={cfg.name}: {parts[clash]} is a folder that the run {'/'.join(parts[:clash])} keeps in its remote "
+            f"folder (step_<N>/, committed/, set-aside-*/), which would take this run's objects for its own; give the "
+            f"run another name"
+        )
     store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg)
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
@@ -99,7 +106,7 @@ def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
         with contextlib.ExitStack() as stack:
             claimed = stack.enter_context(held_remotely(store, name, home, settings.remote_lease_s))
             known = manifest.committed(store, name)
-            if aborted := store.abort_uploads(name):
+            if aborted := store.abort_uploads(name, _owned):
                 log.info(f"aborted {aborted} upload(s) to {store.at(name)} that an earlier leg left incomplete")
             if fresh and any(isinstance(found, dict) for found in known.values()):
                 raise RunError(
@@ -155,6 +162,14 @@ def folder_of(cfg: DictConfig) -> str:
     """The run's folder under checkpoint.remote, named as its home is under checkpoints/: `<name>`,
     and a sweep job's `<name>/<its folder>` (sweeps.Job: its overrides), so that no two jobs share one."""
     return cfg.name if current_job() is None else f"{cfg.name}/{Path(cfg.checkpoint.dir).name}"
+
+
+def _owned(key: str) -> bool:
+    """Whether `key`, relative to the run's remote folder, is the run's own: a file in it, or in its
+    checkpoints' folders, its manifests' or its set-asides'; never one of a run named under it (`a/b`
+    under `a`), whose uploads in flight are its own."""
+    top, under, _ = key.partition("/")
+    return not under or top == manifest.FOLDER or NAME.fullmatch(top) is not None or top.startswith(ASIDE)
 
 
 def _overlap(one: Path, other: Path) -> bool:
