@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -24,6 +24,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    before_hydra(__file__)
     typed = list(sys.argv)
     tracking.start_sender()
     from {{cookiecutter.package}}.engine.saved_model import take  # imports torch: after the sender starts

@@ -11,7 +11,7 @@ import gc
 import hydra
 
 from {{cookiecutter.package}}.engine import goodput, standby, tracking
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -28,6 +28,7 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     goodput.interpreter_started(began)
+    before_hydra(__file__)
     tracking.start_sender()
     # The last thing at exit: whatever is alive then lives to the end, so the interpreter's shutdown
     # need not search torch's million objects for garbage (1.2 s, a tenth of a short run).
