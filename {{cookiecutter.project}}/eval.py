@@ -12,8 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -25,7 +24,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    refuse_typed(sys.argv)  # a checkpoint.remote with a secret: before Hydra prints what it cannot parse
+    before_hydra(__file__)
     typed = list(sys.argv)
     tracking.start_sender()
     from {{cookiecutter.package}}.engine.saved_model import take  # imports torch: after the sender starts

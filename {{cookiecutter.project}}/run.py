@@ -7,13 +7,11 @@ began = time.time() - time.process_time()  # first: when this interpreter starte
 # ruff: noqa: E402
 import atexit
 import gc
-import sys
 
 import hydra
 
 from {{cookiecutter.package}}.engine import goodput, standby, tracking
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
-from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -30,7 +28,7 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     goodput.interpreter_started(began)
-    refuse_typed(sys.argv)  # a checkpoint.remote with a secret: before Hydra prints what it cannot parse
+    before_hydra(__file__)
     tracking.start_sender()
     # The last thing at exit: whatever is alive then lives to the end, so the interpreter's shutdown
     # need not search torch's million objects for garbage (1.2 s, a tenth of a short run).

@@ -13,15 +13,15 @@ import numpy
 import pyarrow as pa
 import pytest
 import torch
-from conftest import losses
+from conftest import losses, start
 from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data import DataError
 from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
 from {{cookiecutter.package}}.engine.ready.datasets import digits
-from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged
-from {{cookiecutter.package}}.engine.ready.save_to_disk import MANIFEST, WRITE_BATCH, described, write_digits
+from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged, fingerprint
+from {{cookiecutter.package}}.engine.ready.save_to_disk import MANIFEST, WRITE_BATCH, ArrowShard, described, write_digits
 
 DESCRIBE = [sys.executable, "-m", "{{cookiecutter.package}}.engine.ready.arrow", "describe"]
 # The demo's MLP, small, on the digits read from Arrow shards.
@@ -285,3 +285,91 @@ def test_a_shard_written_over_under_the_run_is_named_with_the_sample_in_one_line
     message = str(damaged.value)
     assert message.startswith(f"cannot read sample {last - 1} from {second} (it is 100 bytes now, written since the")
     assert "\n" not in message and "Traceback" not in message and "put back the file of sha256" in message
+
+
+def test_a_shard_cut_short_under_a_run_with_workers_ends_it_with_its_line_its_checkpoint_and_exit_2(
+    project, folder, save_gate
+):
+    """A worker's refusal ends the run as one process's does: its workers ended with the reading that
+    failed, not left to the exit, where they held the run for good once it had said its line."""
+    gate = save_gate()  # held at its first save, its two workers reading
+    settings = [*MLP[:-1], f"data.dir={folder}", "data.num_workers=2", "trainer.max_steps=100000"]
+    process = start(project, *settings, "checkpoint.every_n_steps=2", env=gate.env)
+    gate.wait(process)
+    os.truncate(folder / "train" / "data-00001-of-00002.arrow", 1000)
+    gate.release()
+    _, stderr = process.communicate(timeout=120)  # seconds once the shard is read again; it never ended
+    said = stderr.strip().splitlines()[-1]
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    newest = (project / "checkpoints" / "arrow-digits" / "latest").read_text().strip()
+    assert said.startswith("error: cannot read sample ") and "data-00001-of-00002.arrow (it is 1000 bytes now" in said
+    assert said.endswith(
+        f"the newest checkpoint on disk is {project / 'checkpoints' / 'arrow-digits' / newest}; "
+        f"continue from it with name=arrow-digits resume=last"
+    )
+
+
+@pytest.mark.parametrize(
+    "label, features, said",
+    [
+        (2**40, {}, "holds 1099511627776 in {train}, which would make 1099511627777 classes, a model output each"),
+        (2, {"label": {"names": ["a", "b"], "_type": "ClassLabel"}}, "holds 2 in {train}, past the 2 names of its"),
+    ],
+    ids=["an id", "past its names"],
+)
+def test_a_label_that_is_no_class_number_is_refused_in_one_line_naming_the_column_and_the_folder(
+    tmp_path, label, features, said
+):
+    """A label of 2**40 made a model of as many outputs, and torch's allocator said so, naming nothing;
+    a label past its ClassLabel's names failed the loss at the step that drew it (a GPU's device assert)."""
+    labels = pa.array([row % 2 for row in range(19)] + [label])
+    train = saved(
+        tmp_path / "set", {"x": pa.array([float(row) for row in range(20)]), "label": labels}, features=features
+    )
+    with pytest.raises(DataError) as refused:
+        arrow_folder(train, inputs="x", target="label", val_every=4)
+    message = str(refused.value)
+    assert message.startswith("data.target=label " + said.format(train=train)) and "\n" not in message
+
+
+READ_IN_A_CHILD = """
+import sys
+from {{cookiecutter.package}}.engine.data import DataError
+from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
+
+try:
+    arrow_folder(sys.argv[1], inputs="pixels", target="label")
+except DataError as error:
+    sys.exit(f"error: {error}")
+"""
+
+
+def fifo_for_a_shard(folder):
+    shard = folder / "train" / "data-00001-of-00002.arrow"
+    shard.unlink()
+    os.mkfifo(shard)
+    return shard
+
+
+def test_a_fifo_where_a_shard_should_be_is_refused_in_one_line_by_describe_never_waited_on(folder):
+    """Opened to be hashed, a FIFO waited for a writer for good: describe never ended. A bounded wait."""
+    shard = fifo_for_a_shard(folder)
+    result = subprocess.run([*DESCRIBE, str(folder)], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (
+        2, f"error: {shard} is a FIFO, not a file; put its .arrow file there, or save the dataset again with save_to_disk\n"
+    )  # fmt: skip
+
+
+def test_a_fifo_whose_manifest_was_sealed_again_to_say_0_bytes_is_refused_at_the_start_never_waited_on(folder):
+    """Its size matched the manifest's, its mtime did not, so the start hashed it, and waited for a
+    writer for good, the run's home locked. A bounded wait on the process's end."""
+    shard = fifo_for_a_shard(folder)
+    manifest = json.loads((folder / "train" / MANIFEST).read_text())
+    manifest["shards"][1]["bytes"] = 0
+    manifest["fingerprint"] = fingerprint([ArrowShard(**entry) for entry in manifest["shards"]])
+    (folder / "train" / MANIFEST).write_text(json.dumps(manifest))
+    result = subprocess.run(
+        [sys.executable, "-c", READ_IN_A_CHILD, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {shard} is a FIFO, not a file; describe it")
+    assert len(result.stderr.splitlines()) == 1

@@ -4,12 +4,14 @@ bring), the first one's files winning."""
 
 import shutil
 
+import pytest
 import yaml
-from conftest import CONFIG_ROOTS, PROJECT
+from conftest import CONFIG_ROOTS, PROJECT, run_cli
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from {{cookiecutter.package}}.engine.config import config_roots
+from {{cookiecutter.package}}.engine.config import check_roots, config_roots
+from {{cookiecutter.package}}.engine.errors import RunError
 
 
 def composed(configs, *overrides):
@@ -45,3 +47,56 @@ def test_a_setting_of_your_config_yaml_wins_over_the_engines_default_and_an_expe
     assert composed(configs).trainer.max_steps == 50
     assert composed(configs).trainer.log_every_n_steps == composed(PROJECT / "configs").trainer.log_every_n_steps
     assert composed(configs, "experiment=char_lm").trainer.max_steps == 200
+
+
+def hiding_the_engines_settings(configs):
+    (configs / "engine.yaml").write_text("trainer:\n  max_steps: 50\n")
+    return f"{configs / 'engine.yaml'} hides the engine's engine ({CONFIG_ROOTS[1] / 'engine.yaml'}): Hydra reads yours"
+
+
+def dropping_the_engines_entry(configs):
+    choices = yaml.safe_load((configs / "config.yaml").read_text())
+    choices["defaults"].remove("engine")
+    (configs / "config.yaml").write_text(yaml.safe_dump(choices, sort_keys=False))
+    return f"{configs / 'config.yaml'}'s defaults list drops engine, the engine's {CONFIG_ROOTS[1] / 'engine.yaml'}"
+
+
+def searching_elsewhere(configs):
+    choices = yaml.safe_load((configs / "config.yaml").read_text())
+    choices["hydra"]["searchpath"] = ["file://shared/configs"]
+    (configs / "config.yaml").write_text(yaml.safe_dump(choices, sort_keys=False))
+    return (
+        f"{configs / 'config.yaml'}'s hydra.searchpath (file://shared/configs) leaves out the engine's configs, "
+        "pkg://{{cookiecutter.package}}.engine.configs, where every group and option is: add it to that list"
+    )
+
+
+CHANGES = [hiding_the_engines_settings, dropping_the_engines_entry, searching_elsewhere]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_configs_folder_that_hides_or_drops_the_engines_root_is_refused_in_one_line_naming_the_file(tmp_path, change):
+    configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
+    check_roots(configs, [])
+    said = change(configs)
+    with pytest.raises(RunError) as refused:
+        check_roots(configs, [])
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+
+
+def test_a_search_path_typed_without_the_engines_root_is_refused_and_one_that_names_it_is_not():
+    with pytest.raises(RunError, match=r"^hydra.searchpath=\[file:///srv\] replaces the search path of .*: name it"):
+        check_roots(PROJECT / "configs", ["hydra.searchpath=[file:///srv]"])
+    check_roots(PROJECT / "configs", ["hydra.searchpath=[file:///srv,pkg://{{cookiecutter.package}}.engine.configs]"])
+
+
+@pytest.mark.parametrize(
+    "change, script", [*((change, "run.py") for change in CHANGES), (CHANGES[0], "eval.py"), (CHANGES[1], "export.py")]
+)
+def test_each_command_on_such_a_configs_folder_says_that_one_line_and_exits_2(project, change, script):
+    """Hydra said these with a traceback (`Key 'standby' is not in struct`), in 7 lines (`Key 'name'
+    is not in struct`), or with its search path, naming neither the file nor the fix."""
+    said = change(project / "configs")
+    result = run_cli(project, "device=cpu", script=script)
+    assert (result.returncode, result.stderr.count("\n")) == (2, 1), result.stderr
+    assert result.stderr.startswith(f"error: {said}")

@@ -436,7 +436,7 @@ def test_a_data_worker_ends_as_soon_as_its_run_is_killed():
 
 RUN_GONE_BEFORE_ITS_WORKER_STARTS = """
 import os, time
-from {{cookiecutter.package}}.engine.data import end_with_the_run
+from {{cookiecutter.package}}.engine.workers import end_with_the_run
 
 run = os.getpid()
 if os.fork() == 0:

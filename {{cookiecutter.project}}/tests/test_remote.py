@@ -29,7 +29,7 @@ from {{cookiecutter.package}}.engine.checkpoint.remote import Conflict, Store, S
 from {{cookiecutter.package}}.engine.checkpoint.remote_claim import RemoteClaim
 from {{cookiecutter.package}}.engine.checkpoint.remote_url import checked
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.errors import RunError, SaveError
 
 RUN = "demo"
 
@@ -587,6 +587,78 @@ def test_a_reader_of_a_run_by_name_fetches_its_newest_checkpoint_into_an_empty_h
     assert remote_run.fetched_to_read(OmegaConf.create({"checkpoint": {"remote": None}}), RUN, tmp_path / "x") is None
     assert remote_run.fetched_to_read(cfg, "no-such-run", tmp_path / "y") is None  # a name no run has
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A filesystem of 512 KiB of its own (a tmpfs mounted for the test), to fill for real; the test is
+    skipped where this user may not mount one (mounting needs root, or CAP_SYS_ADMIN)."""
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(folder)], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here to make a small filesystem with")
+    if mounted.returncode != 0:
+        pytest.skip(f"this user may not mount a small filesystem to fill ({mounted.stderr.decode().strip()})")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def mirrored(remote: str, home: Path, floats: int) -> str:
+    """Checkpoints of steps 10, 20 and 30 of a model of `floats` float32s, uploaded; its store's URL."""
+    store = store_of(remote)
+    mirror = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        path = onefile.save({**state(step), "model": {"w": torch.full((floats,), float(step))}}, home, keep_last=3)
+        mirror.landed(path)
+    mirror.settle(30)
+    return store.url
+
+
+def test_a_fetch_into_a_disk_with_too_little_room_names_the_folder_and_the_room_not_the_store(
+    remote, tmp_path, small_disk
+):
+    """The store's call failed on its write (`OSError: [Errno 28] No space left on device`), and the
+    line blamed the store and its credentials."""
+    url = mirrored(remote, tmp_path / "home", floats=2**18)  # 1 MiB a checkpoint, on a disk of 512 KiB
+    home = small_disk / RUN
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    said = str(refused.value)
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} into {re.escape(str(home))}: it takes 1\.0\d* MiB, "
+        r"and the disk there has 5\d\d KiB free; free space there, or choose a folder with room with "
+        r"checkpoint\.dir=<path>, then run again",
+        said,
+    ), said
+    assert list(small_disk.iterdir()) == []  # nothing fetched, nothing half-made, the home the claim made gone
+
+
+def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothing_half_made_stays(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """Another writer fills the disk once the fetch has found room: its write fails midway."""
+    url = mirrored(remote, tmp_path / "home", floats=2**16)  # 256 KiB a checkpoint
+    home, other = small_disk / RUN, small_disk / "another-writers-file"
+    real_get_file = Store.get_file
+
+    def filled_first(store, key, local, size):
+        with open(other, "wb") as file:
+            file.write(bytes(shutil.disk_usage(small_disk).free - 64 * 1024))  # 64 KiB left
+        real_get_file(store, key, local, size)
+
+    monkeypatch.setattr(Store, "get_file", filled_first)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    said = str(refused.value)
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} into {re.escape(str(home))}: it takes 25\d KiB, "
+        r"and the disk there has 6\d KiB free; free space there, or choose a folder with room with "
+        r"checkpoint\.dir=<path>, then run again",
+        said,
+    ), said
+    assert list(small_disk.iterdir()) == [other]
 
 
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):

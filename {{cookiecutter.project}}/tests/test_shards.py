@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data import DataError
-from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged
-from {{cookiecutter.package}}.engine.ready.shards import MANIFEST, described, token_shards, write
+from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged, fingerprint
+from {{cookiecutter.package}}.engine.ready.shards import MANIFEST, Shard, described, token_shards, write
 
 # 4 shards of about 2,400 byte tokens: 3 to train on, about 38 windows of 64 each.
 GPT = ["experiment=token_gpt", "data.batch_size=8", "model.width=32", "model.depth=1", "trainer.max_steps=4"]
@@ -142,6 +142,43 @@ def test_a_shard_folder_that_does_not_match_its_manifest_is_refused_in_one_line_
     with pytest.raises(DataError, match=said) as refused:
         token_shards(shards, block_size=64)
     assert "\n" not in str(refused.value)
+
+
+def sealed_again(shards, change):
+    """The manifest edited by `change`, its fingerprint computed anew: only its values can tell."""
+    manifest = json.loads((shards / MANIFEST).read_text())
+    change(manifest)
+    manifest["fingerprint"] = fingerprint([Shard(**entry) for entry in manifest["shards"]])
+    (shards / MANIFEST).write_text(json.dumps(manifest))
+
+
+def tokens_as_text(manifest):
+    manifest["shards"][0]["tokens"] = str(manifest["shards"][0]["tokens"])
+    return f'the tokens of its entry "shard_00000.bin" is "{manifest["shards"][0]["tokens"]}", not a count'
+
+
+def vocabulary_true(manifest):
+    manifest["vocab_size"] = True
+    return "its vocab_size is true, not a count of tokens"
+
+
+def more_tokens_than_bytes(manifest):
+    manifest["shards"][1]["tokens"] += 1
+    return f"the tokens of shard_00001.bin, {manifest['shards'][1]['tokens']} of uint16, are not its"
+
+
+@pytest.mark.parametrize("change", [tokens_as_text, vocabulary_true, more_tokens_than_bytes])
+def test_a_manifest_sealed_again_with_a_value_of_another_kind_is_refused_in_one_line_naming_the_key(shards, change):
+    """Its fingerprint matched its entries, and text where a count belongs reached Hydra's "Error in
+    call to target" as a TypeError, `true` a model of one token, naming neither file nor key."""
+    said = []
+    sealed_again(shards, lambda manifest: said.append(change(manifest)))
+    with pytest.raises(DataError) as refused:
+        token_shards(shards, block_size=64)
+    message = str(refused.value)
+    assert message.startswith(f"{shards / MANIFEST} cannot be read (ValueError: {said[0]}") and "\n" not in message
+    assert message.endswith("write the shards again (python -m {{cookiecutter.package}}.engine.ready.shards write <text folder> "
+                            "<shard folder>) or put their manifest back")  # fmt: skip
 
 
 def test_a_window_longer_than_a_shard_is_refused_with_the_block_size_that_fits(shards):

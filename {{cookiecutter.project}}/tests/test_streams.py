@@ -94,6 +94,32 @@ def test_lanes_that_the_step_or_the_readers_do_not_divide_are_refused_naming_wha
         next(batches(build_loader(Lanes(), cfg, device, seed=0, world=one, accumulated=2), Position()))
 
 
+class Texts(IterableDataset):
+    """A stream whose lanes give text where the model wants numbers: bare, or as the first item of a pair."""
+
+    def __init__(self, paired: bool) -> None:
+        self.paired = paired
+
+    def lane(self, index: int, lanes: int, start: int):
+        texts = (f"sample {number}" for number in range(index + start * lanes, SAMPLES, lanes))
+        yield from ((text, 1) for text in texts) if self.paired else texts
+
+    def __iter__(self):
+        return self.lane(0, 1, 0)
+
+
+@pytest.mark.parametrize("paired, said", [(False, "value is a str"), (True, "item [0] is a str")])
+def test_a_stream_whose_lanes_give_text_is_refused_in_one_line_naming_its_lane_method_and_the_item(paired, said):
+    device = OmegaConf.create({"pin_memory": False})
+    cfg = OmegaConf.create({"batch_size": 4, "num_workers": 0, "lanes": 8})
+    loader = build_loader(Texts(paired), cfg, device, seed=0, world=World(torch.device("cpu")), accumulated=2)
+    with pytest.raises(RunError) as refused:
+        next(batches(loader, Position()))
+    message = str(refused.value)
+    assert message.startswith(f"{__name__}.Texts.lane gave samples whose {said}, and a step of lanes joins tensors")
+    assert "\n" not in message and message.endswith("(text as token ids), or tuples and dicts of them")
+
+
 def test_a_stream_without_lanes_resumes_as_it_was_read_and_refuses_other_readers():
     unbroken, _ = steps(AsItIs(), 1, 2, Position(), 12)
     first, position = steps(AsItIs(), 1, 2, Position(), 5)

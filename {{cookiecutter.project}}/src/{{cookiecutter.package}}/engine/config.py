@@ -14,6 +14,7 @@ import importlib.resources
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
@@ -26,7 +27,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import components
-from .errors import RunError, typed
+from .checkpoint.remote_url import refuse_typed
+from .errors import RunError, reported, typed
 
 
 @dataclass
@@ -196,6 +198,63 @@ def config_roots() -> tuple[Path, ...]:
         elif source.schema == "pkg":
             roots.append(Path(str(importlib.resources.files(source.path))))
     return tuple(roots)
+
+
+PACKAGE = __name__.partition(".")[0]
+ENGINE_CONFIGS = f"pkg://{PACKAGE}.engine.configs"  # the engine's root, as config.yaml's hydra.searchpath names it
+SCHEMA = "config_schema"  # engine.yaml's first default: the dataclasses above, in Hydra's ConfigStore
+
+
+def before_hydra(script: str) -> None:
+    """What a command (run.py, eval.py, export.py: `script` is its __file__) checks before Hydra
+    reads its command line and composes its config from the configs/ beside it, each said in one
+    line, exit 2: a checkpoint.remote typed with a secret (refuse_typed: before Hydra prints what it
+    cannot parse), then that folder's roots (check_roots)."""
+    refuse_typed(sys.argv)
+    reported(lambda: check_roots(Path(script).with_name("configs"), sys.argv[1:]))
+
+
+def check_roots(configs: Path, overrides: list[str]) -> None:
+    """Refuses, in one line naming your file, a `configs/` that hides the engine's root or drops it,
+    before Hydra composes from it: a file of yours named as one at the top of the engine's root
+    (engine.yaml) is read in its place, a defaults list without `engine` reads none of its settings,
+    a search path without the engine's package none of its groups, and Hydra said each with a
+    traceback or its search path. The command line's `overrides` may replace the search path."""
+    engine = Path(str(importlib.resources.files(f"{PACKAGE}.engine.configs")))
+    for name in sorted([SCHEMA, *(path.stem for path in engine.glob("*.yaml"))]):
+        if (configs / f"{name}.yaml").is_file():
+            theirs = "the schema every setting merges into" if name == SCHEMA else f"{engine / name}.yaml"
+            raise RunError(
+                f"{configs / name}.yaml hides the engine's {name} ({theirs}): Hydra reads yours in its place, and the "
+                f"run would get none of the engine's settings; rename yours (an experiment goes in configs/experiment/), "
+                f"or move its settings into config.yaml (docs/configuration.md names the engine's files)"
+            )
+    config = configs / "config.yaml"
+    try:
+        choices = OmegaConf.to_container(OmegaConf.load(config))
+    except (OSError, OmegaConfBaseException, ValueError):
+        return  # no config.yaml, or no YAML: Hydra's own line says so
+    if not isinstance(choices, dict):
+        return
+    defaults = choices.get("defaults") or []
+    if "engine" not in defaults and "/engine" not in defaults:
+        raise RunError(
+            f"{config}'s defaults list drops engine, the engine's {engine / 'engine.yaml'} (every setting with its "
+            f"default): put `- engine` first in that list (docs/configuration.md)"
+        )
+    given = [override for override in overrides if override.lstrip("+").startswith("hydra.searchpath=")]
+    if given and ENGINE_CONFIGS not in given[-1]:
+        raise RunError(
+            f"{given[-1]} replaces the search path of {config} and leaves out the engine's configs, {ENGINE_CONFIGS}: "
+            f"name it in that list too"
+        )
+    hydra = choices.get("hydra")
+    searched = (hydra.get("searchpath") if isinstance(hydra, dict) else None) or []
+    if not given and ENGINE_CONFIGS not in searched:
+        raise RunError(
+            f"{config}'s hydra.searchpath ({', '.join(map(str, searched)) or 'none'}) leaves out the engine's configs, "
+            f"{ENGINE_CONFIGS}, where every group and option is: add it to that list, after your own folders"
+        )
 
 
 def launch_time(pattern: str) -> str:

@@ -6,11 +6,6 @@ which reads its files with `read_file`.
 would have seen.
 """
 
-import ctypes
-import multiprocessing
-import os
-import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, Sampler, Subset, TensorDataset
 
 from . import components
 from .checkpoint.files import NotRegular, read_regular
@@ -28,8 +23,8 @@ from .config import DeviceConfig
 from .distributed import World
 from .errors import RunError
 from .order import LISTED, SHUFFLED, epoch_order
-from .preemption import SIGNALS
 from .streams import LANES, STREAM, StreamLoader
+from .workers import Loader
 
 
 class Data:
@@ -202,14 +197,13 @@ def rank_seed(seed: int, rank: int, epoch: int) -> int:
 
 def build_loader(
     dataset: Dataset, cfg: DictConfig, device: DeviceConfig, seed: int, world: World, accumulated: int = 1
-) -> DataLoader | StreamLoader:
+) -> Loader | StreamLoader:
     """This process's training loader: `data.batch_size` samples a batch, `accumulated` batches a
     step (trainer.grad_accum_steps), its share of each step in the order of `EpochSampler`, or of a
     stream (streams.py)."""
     if isinstance(dataset, IterableDataset):
         settings = {
             "num_workers": cfg.get("num_workers", 0),
-            "worker_init_fn": ending_with_this_process(),
             "pin_memory": device.pin_memory,
             "generator": torch.Generator(),  # reseeded each epoch, as below
         }
@@ -225,13 +219,12 @@ def build_loader(
     # A TensorDataset takes a batch of indices in one indexing of each tensor: fetched a sample at
     # a time and stacked, the demo's batches took as long as its model's step.
     whole_batches = isinstance(dataset, TensorDataset)
-    return DataLoader(
+    return Loader(
         dataset,
         batch_size=None if whole_batches else cfg.batch_size,  # None: each index the sampler yields is a batch
         sampler=EpochSampler(len(dataset), seed, cfg.batch_size, world.rank, world.size, whole_batches, accumulated),
         drop_last=not whole_batches,  # equal batches: a position is a count of whole global batches
         num_workers=cfg.get("num_workers", 0),
-        worker_init_fn=ending_with_this_process(),
         pin_memory=device.pin_memory,
         # Its own generator, reseeded each epoch by `batches`: without one, every new iterator
         # draws worker seeds from the global torch generator, and a resumed run's dropout masks
@@ -244,7 +237,7 @@ def build_loader(
 
 def evaluation_loader(
     dataset: Dataset, batch_size: int, num_workers: int, device: DeviceConfig, world: World | None = None
-) -> DataLoader:
+) -> Loader:
     """In order, every sample once; with a `world`, this process's share: every world.size-th
     sample (the metrics then add up the shares, evaluation.py). Its own generator: a loader
     without one draws its seed from the global generator, and evaluating would then shift the
@@ -252,44 +245,15 @@ def evaluation_loader(
     share = range(world.rank, len(dataset), world.size) if world is not None else range(len(dataset))
     settings = {
         "num_workers": num_workers,
-        "worker_init_fn": ending_with_this_process(),
         "pin_memory": device.pin_memory,
         "generator": torch.Generator(),
     }
     if isinstance(dataset, TensorDataset):  # a batch in one lookup, as in build_loader
-        return DataLoader(dataset, batch_size=None, sampler=torch.tensor(share).split(batch_size), **settings)
-    return DataLoader(Subset(dataset, share), batch_size=batch_size, **settings)
+        return Loader(dataset, batch_size=None, sampler=torch.tensor(share).split(batch_size), **settings)
+    return Loader(Subset(dataset, share), batch_size=batch_size, **settings)
 
 
-def ending_with_this_process() -> partial:
-    """What a data-loader worker of this process runs first (`worker_init_fn`), so that it ends
-    when this process does, however that happens."""
-    # As the loader will start them, without fixing the start method for the rest of the program.
-    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    # Workers started by a fork server are that server's children, not this process's.
-    parent = os.getpid() if method != "forkserver" else None
-    return partial(end_with_the_run, parent)
-
-
-def end_with_the_run(parent: int | None, worker_id: int) -> None:
-    """Torch's workers look for a dead parent every 5 s, and never if it died while they were
-    starting up: one killed run could leave workers behind for good, holding its memory, its
-    terminal's output and the pipes of whoever started it. On Linux the kernel now kills a worker
-    as its parent ends; a parent already gone by then ends the worker here. The signals that stop
-    a run at a step boundary (SLURM sends them to every process of a job) are the run's to take:
-    a worker they killed would fail the step they were meant to let finish."""
-    for number in SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent is not None and os.getppid() != parent:
-        os._exit(0)
-
-
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def batches(loader: DataLoader | StreamLoader, position: Position) -> Iterator[list[torch.Tensor]]:
+def batches(loader: Loader | StreamLoader, position: Position) -> Iterator[list[torch.Tensor]]:
     """Endless batches from `position` on, advancing it by a global batch as each is handed out."""
     if isinstance(loader, StreamLoader):
         yield from loader.batches(position)

@@ -34,6 +34,12 @@ def listed(names: list[str], most: int = 8, between: str = ", ") -> str:
     return between.join(names[:most]) + (f" and {more} more" if more > 0 else "")
 
 
+def readable(size: int) -> str:
+    """Bytes in the largest binary unit they fill, to 4 figures: 160 KiB, 1.273 GiB."""
+    power = min((max(size, 1).bit_length() - 1) // 10, 4)
+    return f"{size / 1024**power:.4g} {('bytes', 'KiB', 'MiB', 'GiB', 'TiB')[power]}"
+
+
 def shown(value: object) -> str:
     """`value` as a message may print it: a name or path read from a checkpoint or a file is data
     from anywhere, so its control characters are dropped."""

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .errors import RunError
+from .workers import Loader
 
 LANES = "lanes"  # a stream read in lanes
 STREAM = "stream"  # a stream read as it is
@@ -86,7 +87,7 @@ class LaneReader(IterableDataset):
 
 class StreamLoader:
     """This process's training batches from a stream, `accumulated` batches of `batch_size` a step,
-    with the DataLoader `settings` of data.py; `seeds(epoch)` seeds its workers' generators."""
+    with the Loader `settings` of data.py; `seeds(epoch)` seeds its workers' generators."""
 
     def __init__(
         self,
@@ -122,9 +123,9 @@ class StreamLoader:
             )
         yield from (self._lanes(position) if order == LANES else self._as_it_is(position))
 
-    def _loader(self, dataset: IterableDataset, epoch: int, **settings: Any) -> DataLoader:
+    def _loader(self, dataset: IterableDataset, epoch: int, **settings: Any) -> Loader:
         self.settings["generator"].manual_seed(self.seeds(epoch))
-        return DataLoader(dataset, **settings, **self.settings)
+        return Loader(dataset, **settings, **self.settings)
 
     def _lanes(self, position: Any) -> Iterator[Any]:
         lanes = position.layout["lanes"]
@@ -142,6 +143,7 @@ class StreamLoader:
             )
         per_lane, block = self.step_size // lanes, lanes // self.processes
         mine = range(self.rank * block, (self.rank + 1) * block)
+        source = f"{type(self.stream).__module__}.{type(self.stream).__qualname__}.lane"
         while True:
             reader = LaneReader(self.stream, lanes, mine, position.sample // lanes, per_lane)
             chunks = iter(self._loader(reader, position.epoch, batch_size=None))
@@ -149,7 +151,7 @@ class StreamLoader:
                 step = dict(itertools.islice(chunks, len(mine)))
                 if len(step) < len(mine) or any(chunk is None for chunk in step.values()):
                     break
-                share = joined([step[lane] for lane in mine])
+                share = joined([step[lane] for lane in mine], source)
                 for first in range(0, self.batch_size * self.accumulated, self.batch_size):
                     position.sample += self.batch_size * self.processes
                     yield cut(share, first, first + self.batch_size)
@@ -182,16 +184,23 @@ class StreamLoader:
             position.sample = 0
 
 
-def joined(parts: list[Any]) -> Any:
-    """Collated batches as one: tensors concatenated along their first dimension, at any depth."""
+def joined(parts: list[Any], source: str, where: str = "") -> Any:
+    """Collated batches as one: tensors concatenated along their first dimension, at any depth;
+    refused in one line naming `source`, what gave the samples, where they hold anything else."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
     if isinstance(first, dict):
-        return {key: joined([part[key] for part in parts]) for key in first}
-    if isinstance(first, list | tuple):
-        return type(first)(joined(list(values)) for values in zip(*parts, strict=True))
-    raise TypeError(f"a stream's samples must collate into tensors; found a {type(first).__name__}")
+        return {key: joined([part[key] for part in parts], source, f"{where}[{key!r}]") for key in first}
+    if isinstance(first, list | tuple) and not any(isinstance(item, str | bytes) for item in first):
+        return type(first)(
+            joined(list(values), source, f"{where}[{place}]") for place, values in enumerate(zip(*parts, strict=True))
+        )
+    found = type(first[0] if isinstance(first, list | tuple) else first).__name__
+    raise RunError(
+        f"{source} gave samples whose {f'item {where}' if where else 'value'} is a {found}, and a step of lanes "
+        f"joins tensors alone; make it yield numbers, arrays or tensors (text as token ids), or tuples and dicts of them"
+    )
 
 
 def cut(batch: Any, start: int, stop: int) -> Any:

@@ -14,15 +14,16 @@ it (mirror.py), and eval.py's `checkpoint=best` reads it.
 import contextlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SaveError, readable
 from ..goodput import LEDGER as GOODPUT
 from . import manifest, onefile, schema
 from .files import remove, sync_folder, temporary, write_atomically
 from .home import BEST, NAME, POINTER, SCORES
-from .remote import Store
+from .remote import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
     name = manifest.name_of(found)
     final = home / name
     scratch = temporary(final)
+    total, where = sum(found["files"].values()), store.at(f"{run}/{name}")
+    _check_room(total, home, where)
     try:
         if found["kind"] == "folder":
             scratch.mkdir()
@@ -87,10 +90,23 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
             raise CheckpointError(str(error).replace(str(scratch), name)) from None
         os.replace(scratch, final)
         sync_folder(home)
-    except BaseException:
+    except BaseException as error:
         remove(scratch)
+        if isinstance(error, StoreError):  # failed with no room left here (a disk filled meanwhile): the disk's
+            _check_room(total, home, where)
         raise
     return final
+
+
+def _check_room(size: int, home: Path, where: str) -> None:
+    """Refuses a fetch of `size` bytes into `home` where its disk has less free: the store's call
+    would fail on the write, and be taken for the store's failure."""
+    free = shutil.disk_usage(home).free
+    if free < size:
+        raise SaveError(
+            f"cannot fetch {where} into {home}: it takes {readable(size)}, and the disk there has {readable(free)} "
+            f"free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
+        )
 
 
 def _check(path: Path, found: dict) -> None:

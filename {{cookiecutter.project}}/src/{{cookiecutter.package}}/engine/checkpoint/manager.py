@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from ..config import Config, continuing
 from ..devices import describe
 from ..distributed import World
-from ..errors import CheckpointError, RunError, SaveError, listed
+from ..errors import CheckpointError, RunError, SaveError, listed, readable
 from ..param_groups import hyperparameters, keep_configured
 from ..precision import setting
 from ..provenance import library_versions
@@ -217,9 +217,9 @@ class Checkpointer:
         there = next(folder for folder in (self.home, *self.home.parents) if folder.is_dir())
         free = self.world.on_main(lambda: shutil.disk_usage(there).free)
         if free < weights + moments:
-            needed, model_part, optimizer_part = map(_readable, (weights + moments, weights, moments))
+            needed, model_part, optimizer_part = map(readable, (weights + moments, weights, moments))
             raise RunError(
-                f"{self.home} has {_readable(free)} free, less than one checkpoint of this run takes (about {needed}: "
+                f"{self.home} has {readable(free)} free, less than one checkpoint of this run takes (about {needed}: "
                 f"{model_part} of model, {optimizer_part} of optimizer state); free space there, or choose a folder "
                 f"with room with checkpoint.dir=<path>"
             )
@@ -362,9 +362,3 @@ def _slots(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if optimizer.defaults.get("momentum") else 0
     return 3 if optimizer.defaults.get("amsgrad") else 2
-
-
-def _readable(size: int) -> str:
-    """Bytes in the largest binary unit they fill, to 4 figures: 160 KiB, 1.273 GiB."""
-    power = min((max(size, 1).bit_length() - 1) // 10, 4)
-    return f"{size / 1024**power:.4g} {('bytes', 'KiB', 'MiB', 'GiB', 'TiB')[power]}"

@@ -133,13 +133,30 @@ def kind(saved: Saved, name: str, role: str) -> tuple[tuple[int, ...], str]:
 
 def classes(target: str, splits: list[Saved]) -> dict:
     """`num_classes`, and `labels` where the features name them (a ClassLabel's names); else the
-    largest value + 1."""
+    largest value + 1, up to MOST_CLASSES: the model has an output a class."""
     if (low := min(saved.columns[target].get("min", 0) for saved in splits)) < 0:
         raise DataError(f"data.target={target} holds {low}, and classes count from 0; filter those rows out")
+    largest, holder = max((saved.columns[target].get("max", 0), str(saved.folder)) for saved in splits)
     feature = splits[0].features.get(target, {})
     if feature.get("_type") == "ClassLabel" and isinstance(feature.get("names"), list):
-        return {"num_classes": len(feature["names"]), "labels": feature["names"]}
-    return {"num_classes": max(saved.columns[target].get("max", 0) for saved in splits) + 1}
+        if largest >= len(names := feature["names"]):
+            raise DataError(
+                f"data.target={target} holds {largest} in {holder}, past the {len(names)} names of its ClassLabel "
+                f"(classes 0 to {len(names) - 1}); filter those rows out, or save the dataset with a name for each class"
+            )
+        return {"num_classes": len(names), "labels": names}
+    if largest >= MOST_CLASSES:
+        raise DataError(
+            f"data.target={target} holds {largest} in {holder}, which would make {largest + 1} classes, a model "
+            f"output each: number the classes from 0 before save_to_disk (dataset.class_encode_column), or name a "
+            f"column of class numbers"
+        )
+    return {"num_classes": largest + 1}
+
+
+# Past any label set a model is trained to pick from (ImageNet-21k's 21,841 classes, a tokenizer's
+# 256,000 tokens): a target this large is an id, and its output layer would not fit in memory.
+MOST_CLASSES = 1 << 24
 
 
 class ArrowRows(CheckedShards, Dataset):
@@ -233,7 +250,8 @@ class ArrowRows(CheckedShards, Dataset):
         layouts; the file checked to be the one the start's stat found."""
         if number not in self._open:
             shard = self.shards[number]
-            descriptor = os.open(self.folder / shard.file, os.O_RDONLY)
+            # Without blocking: a FIFO put there under the run is then refused by its stat, not waited on.
+            descriptor = os.open(self.folder / shard.file, os.O_RDONLY | os.O_NONBLOCK)
             try:
                 found = os.fstat(descriptor)
                 if changed := since(found, self.seen[number]):

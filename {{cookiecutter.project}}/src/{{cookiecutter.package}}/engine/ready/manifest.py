@@ -16,11 +16,13 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, get_type_hints
 
+from ..checkpoint.files import kind, open_regular
 from ..data import DataError
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ def loaded(folder: Path, name: str, entry: type[S], fix: str, valid=None) -> tup
     path = folder / name
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-        shards = [entry(**fields) for fields in manifest["shards"]]
+        shards = [typed(entry(**fields)) for fields in manifest["shards"]]
         if manifest.get("fingerprint") != fingerprint(shards):
             raise ValueError("its fingerprint does not match its entries")
         if not shards:
@@ -63,6 +65,22 @@ def loaded(folder: Path, name: str, entry: type[S], fix: str, valid=None) -> tup
     return manifest, shards
 
 
+def typed(shard: S) -> S:
+    """`shard`, each of its fields of the type its format declares, a count not below 0; else
+    ValueError naming the shard and the field. A manifest edited by hand and sealed again (its
+    fingerprint computed anew) holds whatever JSON allows: text where a count belongs, `true`."""
+    for name, wanted in get_type_hints(type(shard)).items():
+        value = getattr(shard, name)
+        if type(value) is not wanted or (wanted is int and value < 0):
+            raise ValueError(
+                f"the {name} of its entry {json.dumps(shard.file)} is {json.dumps(value)}, not {KINDS.get(wanted, wanted)}"
+            )
+    return shard
+
+
+KINDS = {int: "a count (a whole number, 0 or more)", str: "text"}
+
+
 def matched(folder: Path, name: str, shards: list[Shard], present: list[str], fix: str, added: str) -> list:
     """The `os.stat` of each shard, once `present` (the folder's shard files, by name) holds no file
     the manifest lacks and each shard is the file its manifest describes; else one line naming the
@@ -73,7 +91,7 @@ def matched(folder: Path, name: str, shards: list[Shard], present: list[str], fi
     found = []
     for shard in shards:
         try:
-            found.append(os.stat(folder / shard.file))
+            found.append(regular(folder / shard.file, fix))
         except FileNotFoundError:
             raise DataError(f"{folder / shard.file}, listed in {name}, is missing; {fix}") from None
         if found[-1].st_size != shard.bytes:
@@ -86,6 +104,15 @@ def matched(folder: Path, name: str, shards: list[Shard], present: list[str], fi
     return found
 
 
+def regular(path: Path, fix: str) -> os.stat_result:
+    """The `os.stat` of the shard `path`; refused in one line, with `fix`, where it is no regular file:
+    reading a FIFO waits for a writer that may never come, and a device never ends."""
+    found = os.stat(path)
+    if not stat.S_ISREG(found.st_mode):
+        raise DataError(f"{path} is {kind(found.st_mode)}, not a file; {fix}")
+    return found
+
+
 def fingerprint(shards: list[Any]) -> str:
     """The hash of what the shards hold, not of when they were written: a copy keeps it."""
     entries = [{key: value for key, value in asdict(shard).items() if key != "mtime_ns"} for shard in shards]
@@ -95,7 +122,7 @@ def fingerprint(shards: list[Any]) -> str:
 def hashed(path: Path, each: Callable[[bytes], None] = lambda chunk: None) -> str:
     """The sha256 of `path`, read once, each chunk also handed to `each` (a format's own survey)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
+    with open_regular(path) as file:
         while chunk := file.read(CHUNK):
             digest.update(chunk)
             each(chunk)

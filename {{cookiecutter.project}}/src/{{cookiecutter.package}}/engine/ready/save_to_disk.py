@@ -18,7 +18,7 @@ import torch
 
 from ..data import DataError
 from .datasets import SPLIT_SEED, read_digits
-from .manifest import hashed, loaded, matched, written
+from .manifest import hashed, loaded, matched, regular, written
 from .shards import building
 
 MANIFEST = "continuum-manifest.json"
@@ -117,7 +117,7 @@ def described(root: Path) -> dict[Path, dict]:
         for file in data_files(folder):
             path = folder / file
             try:
-                before = os.stat(path)
+                before = regular(path, "put its .arrow file there, or save the dataset again with save_to_disk")
                 sha256, (samples, found) = hashed(path), surveyed(path)
                 after = os.stat(path)
             except OSError as error:

@@ -13,6 +13,7 @@ Shards from a folder of text files, byte-level (a token is a UTF-8 byte, 256 of 
 """
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data import Data, DataError
-from .manifest import CHUNK, CheckedShards, hashed, loaded, matched, written
+from .manifest import CHUNK, CheckedShards, hashed, loaded, matched, regular, written
 
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -113,7 +114,8 @@ class TokenWindows(CheckedShards, Dataset):
 
     def _file(self, number: int) -> int:
         if number not in self._files:
-            self._files[number] = os.open(self.folder / self.shards[number].file, os.O_RDONLY)
+            # Without blocking: a FIFO put there under the run then fails its first read, not waits on a writer.
+            self._files[number] = os.open(self.folder / self.shards[number].file, os.O_RDONLY | os.O_NONBLOCK)
         return self._files[number]
 
     def __getstate__(self) -> dict:
@@ -141,10 +143,18 @@ def checked(folder: Path) -> dict:
 
 def valid(manifest: dict, shards: list[Shard]) -> None:
     """What a manifest of token shards says beyond its entries: the vocabulary, and a token type."""
-    if not isinstance(manifest.get("vocab_size"), int):
-        raise ValueError("its vocab_size is no integer")
+    vocabulary = manifest.get("vocab_size")
+    if type(vocabulary) is not int or vocabulary < 1:
+        raise ValueError(
+            f"its vocab_size is {json.dumps(vocabulary)}, not a count of tokens (a whole number, 1 or more)"
+        )
     if odd := [shard for shard in shards if shard.dtype not in DTYPES]:
         raise ValueError(f"{odd[0].dtype} of {odd[0].file} is not one of {list(DTYPES)}")
+    if odd := [shard for shard in shards if shard.tokens * np.dtype(DTYPES[shard.dtype]).itemsize != shard.bytes]:
+        shard = odd[0]
+        raise ValueError(
+            f"the tokens of {shard.file}, {shard.tokens} of {shard.dtype}, are not its {shard.bytes} bytes"
+        )
 
 
 def write(texts: Path, folder: Path, shard_tokens: int = 1 << 24) -> dict:
@@ -194,7 +204,8 @@ def described(folder: Path, dtype: str, vocab_size: int) -> dict:
         raise DataError(f"--dtype={dtype} is not a token type here; use one of {', '.join(DTYPES)}")
     shards = []
     for path in sorted(folder.glob("*.bin")):
-        found, itemsize = os.stat(path), np.dtype(DTYPES[dtype]).itemsize
+        found = regular(path, "put the token file there, or move it out of the folder")
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
         if found.st_size % itemsize:
             raise DataError(f"{path} is {found.st_size} bytes, not a whole number of {dtype} tokens")
         sha256, largest = surveyed(path, dtype)
