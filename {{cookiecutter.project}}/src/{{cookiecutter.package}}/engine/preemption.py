@@ -41,7 +41,7 @@ class Preemption:
     def __init__(self, hook_timeout_s: float | None = None, continuation: Callable[[], str] | None = None) -> None:
         self.received: signal.Signals | None = None
         self.failed: str | None = None  # why every process stops at once, unsaved (`agreed`)
-        self.cut = ""  # what the stop cut short when it was agreed, for the stop line: " during validation (...)"
+        self.cut = ""  # for the stop line, what it cut short: " during validation, left at a batch boundary ..."
         self._since: float | None = None  # when this process received the first signal
         self._agreed = False
         self._asked: str | None = None  # where `agreed` was last asked: `during`
