@@ -116,12 +116,28 @@ def test_out_of_range_values_are_named_in_one_line_before_any_work(make_cfg, ove
 
 
 @pytest.mark.parametrize(
+    "value, shown", [(v, v) for v in ("0", "-3", "0.0", "1.5", "-0.5", "nan", "abc", "10%")] + [("true", "True")]
+)
+def test_a_validation_limit_that_is_neither_a_count_of_batches_nor_a_fraction_is_refused_in_one_line(
+    make_cfg, value, shown
+):
+    with pytest.raises(RunError) as raised:
+        check_values(make_cfg(f"trainer.limit_val_batches={value}"))
+    assert str(raised.value) == (
+        f"trainer.limit_val_batches={shown} must be a number of validation batches (an integer, at least 1) or a "
+        f"fraction of the validation split (above 0, at most 1.0; 1.0 validates all of it)"
+    )
+
+
+@pytest.mark.parametrize(
     "options",
     [
         ["name=team/ablation-1.2_b", "optimizer=sgd", "scheduler=constant", "amp=fp16"],
         ["model=cnn", "optimized_metric=val/accuracy"],
         ["experiment=cnn_digits"],
         ["experiment=compare_optimizers"],
+        ["trainer.limit_val_batches=1"],
+        ["trainer.limit_val_batches=0.25"],
     ],
     ids=" ".join,
 )

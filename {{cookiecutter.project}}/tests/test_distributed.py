@@ -768,3 +768,76 @@ def connected(pid: int, port: int) -> bool:
             if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in sockets:
                 return True
     return False
+
+
+GATE_METRIC = """
+import os, pathlib, signal, time
+import torch
+from {{cookiecutter.package}}.engine.preemption import Preemption
+
+
+class Gate:
+    '''A metric that counts the validation batches it sees into `<counts>/rank<R>`, and, where the
+    environment names STOP_AT_BATCH, on rank 0, at that batch of a validation (counted over the
+    run), sends torchrun SIGTERM once, and returns when this process has taken the signal torchrun
+    passes on: the validation is under way when the stop comes.'''
+
+    def __init__(self, counts):
+        self.path = pathlib.Path(counts) / f"rank{os.environ['RANK']}"
+        self.path.parent.mkdir(exist_ok=True)
+        self.seen = 0
+
+    def to(self, device):
+        return self
+
+    def update(self, outputs, targets):
+        self.seen += 1
+        self.path.write_text(str(self.seen))
+        at = os.environ.get("STOP_AT_BATCH")
+        if at and os.environ["RANK"] == "0" and self.seen == int(at):
+            os.kill(os.getppid(), signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while Preemption.installed.received is None:  # torchrun's SIGTERM, passed on
+                assert time.monotonic() < deadline, "torchrun passed no SIGTERM on within 60 s"
+                time.sleep(0.01)
+
+    def compute(self):
+        return torch.tensor(0.0)
+
+    def reset(self):
+        pass
+
+    def __call__(self, outputs, targets):
+        return torch.tensor(0.0)
+"""
+
+
+def test_sigterm_to_torchrun_during_validation_stops_both_ranks_within_a_batch_and_resumes_bit_for_bit(project):
+    """97 validation samples (limit_val_batches=0.271): rank 0's share is 4 batches of 16, rank 1's 3,
+    so every validation asks the stop of a rank that has no batch left. The stop comes in rank 0's
+    second batch of the validation at step 10: both leave it after that batch, stop at step 10, and
+    the resume trains on as the unbroken run."""
+    (project / "gate.py").write_text(GATE_METRIC)
+    steps = [
+        "trainer.max_steps=30", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10",
+        "data.batch_size=16", "trainer.limit_val_batches=0.271", "+metrics.gate._target_=gate.Gate",
+    ]  # fmt: skip
+    finished(torchrun(project, "name=unbroken", *steps, f"+metrics.gate.counts={project / 'unbroken'}"))
+    assert (project / "unbroken" / "rank0").read_text() == str(3 * 4)  # at steps 10, 20 and 30
+    assert (project / "unbroken" / "rank1").read_text() == str(3 * 3)
+
+    gated = [*steps, f"+metrics.gate.counts={project / 'broken'}"]
+    process = torchrun(project, "name=broken", *gated, env={**os.environ, "STOP_AT_BATCH": "2"})
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0, stdout + stderr
+    assert [(project / "broken" / f"rank{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
+    saved = newest_valid(project / "checkpoints" / "broken")[1]
+    assert saved["step"] == 10 and saved["monitor"]["owed"][0] == 10
+    assert re.search(r"stopped at step 10 by SIGTERM during validation, left at a batch boundary", stdout + stderr)
+
+    finished(torchrun(project, "name=broken", *gated, "resume=last"))
+    client = store(project)
+    broken, unbroken = only_run(client, "broken"), only_run(client, "unbroken")
+    assert broken.info.status == "FINISHED"
+    assert losses(client, broken.info.run_id) == losses(client, unbroken.info.run_id)
+    assert losses(client, broken.info.run_id, "val/loss") == losses(client, unbroken.info.run_id, "val/loss")

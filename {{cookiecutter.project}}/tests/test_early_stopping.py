@@ -1,10 +1,13 @@
 """Early stopping on `optimized_metric` by `optimized_mode`, its patience kept in the checkpoint."""
 
 import math
+import os
+import signal
 
 import pytest
 from conftest import losses
 
+from {{cookiecutter.package}}.engine import evaluation
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.monitor import Monitor
@@ -52,6 +55,30 @@ def test_a_stop_during_the_patience_resumes_to_the_step_the_unbroken_run_stopped
     monkeypatch.undo()
     resumed = recipe.train(make_cfg(*PATIENT, "resume=last", "mlflow.enabled=false"))
     assert resumed["step"] == 15 and resumed["val/loss"] == unbroken["val/loss"]
+
+
+def test_a_stop_during_a_validation_of_the_patience_resumes_to_the_step_the_unbroken_run_stopped_at(
+    make_cfg, monkeypatch, tmp_path, checkpoint_dir
+):
+    """The validation a stop cut short is owed: the resumed run judges it first, and so stops early
+    where the unbroken run did, not a validation later."""
+    unbroken = recipe.train(make_cfg(*PATIENT, f"checkpoint.dir={tmp_path / 'unbroken'}", "mlflow.enabled=false"))
+    real_evaluate = evaluation.evaluate
+
+    def stopped_in_the_validation_at_10(run, loader, *args, **kwargs):
+        if run.step == 10 and loader is run.val_loader:
+            os.kill(os.getpid(), signal.SIGTERM)  # before its first batch: it is under way
+        return real_evaluate(run, loader, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", stopped_in_the_validation_at_10)
+    with pytest.raises(SystemExit):
+        recipe.train(make_cfg(*PATIENT, "mlflow.enabled=false"))
+    monitor = newest_valid(checkpoint_dir).state["monitor"]
+    assert (monitor["waited"], monitor["owed"][0]) == (0, 10)
+    monkeypatch.undo()
+    resumed = recipe.train(make_cfg(*PATIENT, "resume=last", "mlflow.enabled=false"))
+    assert resumed["step"] == unbroken["step"] == 15 and resumed["val/loss"] == unbroken["val/loss"]
+    assert newest_valid(checkpoint_dir).state["monitor"]["waited"] == 2
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import goodput_of, runs_named, start
+from conftest import goodput_of, losses, runs_named, start
 from test_cli import descendants
 from test_distributed import ranks, torchrun
 
@@ -301,22 +301,32 @@ class LastStep:
 def test_a_stop_in_the_last_steps_hook_is_said_swallowed_or_not_and_the_run_ends_as_at_any_stop_there(
     make_cfg, checkpoint_dir, client, caplog, swallows
 ):
-    """The run has trained its steps: it validates and saves the last, ends FINISHED (a requeue would
-    have nothing to train), and logs no models, as a run that a signal reached at its end."""
+    """The run has trained its steps, and the stop reaches its last validation before its first batch:
+    the last step is saved, that validation owed, and the run stops (KILLED, no models logged); the
+    resume validates it, logs the models and ends FINISHED."""
     caplog.set_level(logging.INFO)
     name = f"last-{swallows}"
-    result = recipe.train(
-        make_cfg(*SETTINGS, f"name={name}", "trainer.max_steps=30", "mlflow.log_models=final", "+callbacks.last._target_=test_hook_limits.LastStep", f"+callbacks.last.swallows={swallows}")
-    )  # fmt: skip
+    settings = [*SETTINGS, f"name={name}", "trainer.max_steps=30", "mlflow.log_models=final"]
+    with pytest.raises(SystemExit) as stopped:
+        recipe.train(
+            make_cfg(*settings, "+callbacks.last._target_=test_hook_limits.LastStep", f"+callbacks.last.swallows={swallows}")
+        )  # fmt: skip
+    assert stopped.value.code == 128 + signal.SIGTERM
     assert (
         "callbacks.last (test_hook_limits.LastStep) was interrupted by SIGTERM in on_train_step_end; the run's later "
         "hooks are skipped"
     ) in caplog.messages
-    assert result["step"] == 30 and sorted(step for step, _ in steps(checkpoint_dir)) == [10, 20, 30]
+    assert sorted(step for step, _ in steps(checkpoint_dir)) == [10, 20, 30]
     (run,) = runs_named(client, name)
-    assert run.info.status == "FINISHED"
     found = f"source_run_id = '{run.info.run_id}'"
+    assert run.info.status == "KILLED" and 30 not in losses(client, run.info.run_id, "val/loss")
     assert not client.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=found)
+
+    result = recipe.train(make_cfg(*settings, "resume=last"))
+    (run,) = runs_named(client, name)
+    assert result["step"] == 30 and run.info.status == "FINISHED"
+    assert losses(client, run.info.run_id, "val/loss")[30] == [result["val/loss"]]
+    assert client.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=found)
 
 
 STUCK = """

@@ -1,21 +1,26 @@
 """A resumed run continues exactly: the same `train/loss` at every step as a run never stopped."""
 
+import json
 import logging
+import os
 import re
 import signal
+import time
 
 import pytest
 import torch
 from conftest import losses, runs_named
 from torch.utils.data import TensorDataset
 
+from {{cookiecutter.package}}.engine import evaluation
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.checkpoint.home import path_of
+from {{cookiecutter.package}}.engine.checkpoint.home import best_of, path_of
 from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.goodput import LEDGER
 from {{cookiecutter.package}}.engine.probe import Probe
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
@@ -301,3 +306,102 @@ def test_the_probe_is_evaluated_in_batches_of_the_size_it_was_saved_with(make_cf
     # Saved before probes had a batch size: measured whole, compared within rtol (its rounding differs).
     probe.load_state_dict({"indices": torch.arange(10), "loss": 0.5})
     assert [len(batch) for (batch,) in probe.loader(device)] == [10] and not probe.measured_alike
+
+
+# --- A stop during validation -------------------------------------------------------------------
+
+LONG_VALIDATION = ["data.batch_size=16", "trainer.max_steps=40", "trainer.val_every_n_steps=20"]  # 23 batches
+
+
+class Tripwire:
+    """A validation's loader, read through: this process is sent SIGTERM as batch `at` is handed
+    out (the validation is then under way, by construction), and the batches handed out after it
+    are counted."""
+
+    def __init__(self, loader, at: int) -> None:
+        self.loader, self.at, self.after = loader, at, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for index, batch in enumerate(self.loader):
+            if index == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.after += index > self.at
+            yield batch
+
+
+@pytest.fixture
+def sigterm_in_validation(monkeypatch):
+    """sigterm_in_validation(step, batch): SIGTERM as the validation at `step` reaches `batch`; returns
+    the Tripwire, and the seconds that validation took, once it has run."""
+    real_evaluate = evaluation.evaluate
+
+    def arm(step: int, batch: int) -> dict:
+        seen = {}
+
+        def evaluate(run, loader, *args, **kwargs):
+            if run.step != step or loader is not run.val_loader or seen:
+                return real_evaluate(run, loader, *args, **kwargs)
+            seen["tripwire"] = Tripwire(loader, batch)
+            began = time.perf_counter()
+            try:
+                return real_evaluate(run, seen["tripwire"], *args, **kwargs)
+            finally:
+                seen["seconds"] = time.perf_counter() - began
+
+        monkeypatch.setattr(evaluation, "evaluate", evaluate)
+        return seen
+
+    return arm
+
+
+def test_a_sigterm_during_validation_leaves_it_within_a_batch_saves_and_resumes_bit_for_bit(
+    make_cfg, client, checkpoint_dir, tmp_path, monkeypatch, sigterm_in_validation, caplog
+):
+    reference = recipe.train(make_cfg(*LONG_VALIDATION, f"checkpoint.dir={tmp_path / 'reference'}"))
+
+    seen = sigterm_in_validation(20, batch=2)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as stopped:
+        recipe.train(make_cfg(*LONG_VALIDATION))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    tripwire = seen["tripwire"]
+    assert len(tripwire) == 23 and tripwire.after == 0, "no batch after the one the signal came in"
+    path, saved = newest_valid(checkpoint_dir)
+    assert saved["step"] == 20 and saved["monitor"]["owed"] == [20, losses(client, saved["tracker"]["run_id"])[20][0]]
+    assert saved["score"] is None and best_of(checkpoint_dir) == path_of(checkpoint_dir, 10), "step 20 ranks nothing"
+    said = next(line for line in caplog.messages if line.startswith("stopped at step"))
+    assert re.fullmatch(
+        rf"stopped at step 20 by SIGTERM during validation, left at a batch boundary \d+\.\d\d s after the signal; "
+        rf"saved {re.escape(str(path))}; continue with name=demo resume=last",
+        said,
+    ), said
+    leg = json.loads((checkpoint_dir / LEDGER).read_text())["legs"][-1]
+    assert leg["seconds"]["validation"] >= seen["seconds"], "the validation cut short is validation's time"
+    monkeypatch.undo()
+
+    resumed = recipe.train(make_cfg(*LONG_VALIDATION, "resume=last"))
+    assert losses(client, resumed["run_id"]) == losses(client, reference["run_id"])
+    # The validation cut short is done again first: the val/loss curve is the unbroken run's too.
+    assert losses(client, resumed["run_id"], "val/loss") == losses(client, reference["run_id"], "val/loss")
+    assert newest_valid(checkpoint_dir).state["monitor"]["owed"] is None
+
+
+def test_a_sigterm_during_the_last_validation_saves_and_the_resume_finishes_the_run(
+    make_cfg, client, checkpoint_dir, tmp_path, monkeypatch, sigterm_in_validation
+):
+    """The end's validation, cut short, leaves the run stopped (KILLED), not finished without its
+    scores: the resume validates, logs and finishes it."""
+    reference = recipe.train(make_cfg(*LONG_VALIDATION, f"checkpoint.dir={tmp_path / 'reference'}"))
+    seen = sigterm_in_validation(40, batch=1)
+    with pytest.raises(SystemExit) as stopped:
+        recipe.train(make_cfg(*LONG_VALIDATION))
+    assert stopped.value.code == 128 + signal.SIGTERM and seen["tripwire"].after == 0
+    run_id = newest_valid(checkpoint_dir).state["tracker"]["run_id"]
+    assert client.get_run(run_id).info.status == "KILLED"
+    monkeypatch.undo()
+
+    resumed = recipe.train(make_cfg(*LONG_VALIDATION, "resume=last"))
+    assert resumed["val/loss"] == reference["val/loss"] and client.get_run(run_id).info.status == "FINISHED"
+    assert losses(client, run_id, "val/loss") == losses(client, reference["run_id"], "val/loss")

@@ -183,6 +183,54 @@ def test_a_tensor_datasets_evaluation_share_comes_in_order_one_lookup_a_batch(ma
     assert all(torch.equal(inputs, dataset.tensors[0][targets]) for inputs, targets in found)
 
 
+class Listed(torch.utils.data.Dataset):
+    """A dataset of its indices, fetched one sample at a time (not a TensorDataset)."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.daily
+@pytest.mark.parametrize(
+    "limit, validated", [(3, 48), (10, 100), (0.25, 25), (0.57, 57), (0.001, 1), (1.0, 100)], ids=str
+)
+@pytest.mark.parametrize("dataset", [Listed(), TensorDataset(torch.arange(100))], ids=["listed", "tensors"])
+def test_limit_val_batches_validates_the_first_batches_or_fraction_of_the_split_whatever_the_processes(
+    make_cfg, dataset, limit, validated
+):
+    """An integer: that many batches of data.batch_size (16 here); a fraction: that share of the
+    samples, as written (0.57 of 100 is 57, not the float product's 56). The same samples each time,
+    and whatever the number of processes that share them."""
+    device = make_cfg().device
+
+    def samples(world: SimpleNamespace) -> list[int]:
+        found = evaluation_loader(dataset, 16, 0, device, world, limit)
+        return [int(index) for batch in found for index in (batch[0] if isinstance(batch, list) else batch)]
+
+    alone = samples(SimpleNamespace(rank=0, size=1))
+    assert alone == list(range(validated)) == samples(SimpleNamespace(rank=0, size=1))
+    assert sorted(samples(SimpleNamespace(rank=0, size=3)) + samples(SimpleNamespace(rank=1, size=3))
+                  + samples(SimpleNamespace(rank=2, size=3))) == alone  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", ["2", "0.5"])
+def test_a_limited_validation_logs_the_same_val_loss_across_a_resume(make_cfg, client, tmp_path, sigterm_at, limit):
+    common = ["trainer.max_steps=40", "trainer.val_every_n_steps=10", f"trainer.limit_val_batches={limit}"]
+    reference = recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'reference'}"))
+    whole = recipe.train(make_cfg("trainer.max_steps=10", f"checkpoint.dir={tmp_path / 'whole'}"))
+    expected = losses(client, reference["run_id"], "val/loss")
+    assert sorted(expected) == [10, 20, 30, 40] and expected[10] != losses(client, whole["run_id"], "val/loss")[10]
+    sigterm_at(25)
+    with pytest.raises(SystemExit):
+        recipe.train(make_cfg(*common))
+    sigterm_at(10**9)  # the signal disarmed
+    resumed = recipe.train(make_cfg(*common, "resume=last"))
+    assert losses(client, resumed["run_id"], "val/loss") == expected
+
+
 def test_a_run_with_data_workers_trains_and_resumes(make_cfg):
     recipe.train(make_cfg(QUIET, "data.num_workers=2", "trainer.max_steps=15"))
     assert recipe.train(make_cfg(QUIET, "data.num_workers=2", "trainer.max_steps=30", "resume=last"))["step"] == 30

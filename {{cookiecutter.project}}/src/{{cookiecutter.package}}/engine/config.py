@@ -97,6 +97,10 @@ class TrainerConfig:
     log_every_n_steps: int = MISSING
     progress_every_s: float = 30.0  # off a terminal: a progress line at most this often (at logging steps)
     val_every_n_steps: int = MISSING
+    # Validation's size: an integer, that many batches of data.batch_size; a float, that fraction of the
+    # split (1.0: all of it); from its first sample. Any: a value that is neither is refused by
+    # check_values in one line, where this type's union would fail Hydra's merge in a traceback's lines.
+    limit_val_batches: Any = 1.0
     grad_accum_steps: int = MISSING  # batches per optimizer step
     grad_clip: float | None = MISSING  # max gradient norm; null: no clipping
     compile: bool = MISSING  # torch.compile the model
@@ -314,6 +318,8 @@ def check_values(cfg: Config) -> None:
             f"for nesting; no '.' or '..' part, not absolute), because it names a folder under checkpoints/; "
             f"to keep checkpoints elsewhere, set checkpoint.dir=<path>"
         )
+    if problem := limit_problem(cfg.trainer.limit_val_batches):
+        problems.append(problem)
     metrics = cfg.metrics if isinstance(cfg.metrics, DictConfig) else {}
     if cfg.optimized_metric not in (known := ["val/loss", "train/loss", *(f"val/{name}" for name in metrics)]):
         problems.append(
@@ -321,6 +327,17 @@ def check_values(cfg: Config) -> None:
         )
     if problems:
         raise RunError("; ".join(problems))
+
+
+def limit_problem(limit: object) -> str | None:
+    """What is wrong with trainer.limit_val_batches=`limit`, or None: a whole number of batches, or a
+    fraction of the split (a bool is no number here, though Python counts it an int)."""
+    if (type(limit) is int and limit >= 1) or (type(limit) is float and 0 < limit <= 1):
+        return None
+    return (
+        f"trainer.limit_val_batches={limit} must be a number of validation batches (an integer, at least 1) or a "
+        f"fraction of the validation split (above 0, at most 1.0; 1.0 validates all of it)"
+    )
 
 
 def unset(node: DictConfig, path: str = "") -> list[str]:

@@ -8,6 +8,7 @@ would have seen.
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -236,21 +237,38 @@ def build_loader(
 
 
 def evaluation_loader(
-    dataset: Dataset, batch_size: int, num_workers: int, device: DeviceConfig, world: World | None = None
+    dataset: Dataset,
+    batch_size: int,
+    num_workers: int,
+    device: DeviceConfig,
+    world: World | None = None,
+    limit: int | float = 1.0,
 ) -> Loader:
-    """In order, every sample once; with a `world`, this process's share: every world.size-th
-    sample (the metrics then add up the shares, evaluation.py). Its own generator: a loader
-    without one draws its seed from the global generator, and evaluating would then shift the
-    random numbers of training."""
-    share = range(world.rank, len(dataset), world.size) if world is not None else range(len(dataset))
+    """In order, every sample once, or the first ones that `limit` (trainer.limit_val_batches,
+    `validated`) keeps; with a `world`, this process's share of them: every world.size-th sample (the
+    metrics then add up the shares, evaluation.py). Its own generator: a loader without one draws its
+    seed from the global generator, and evaluating would then shift the random numbers of training."""
+    samples = validated(len(dataset), batch_size, limit)
+    share = range(world.rank, samples, world.size) if world is not None else range(samples)
     settings = {
         "num_workers": num_workers,
         "pin_memory": device.pin_memory,
         "generator": torch.Generator(),
     }
-    if isinstance(dataset, TensorDataset):  # a batch in one lookup, as in build_loader
-        return Loader(dataset, batch_size=None, sampler=torch.tensor(share).split(batch_size), **settings)
+    if isinstance(dataset, TensorDataset):  # a batch in one lookup, as in build_loader; an empty share, no batch
+        lookups = torch.tensor(share, dtype=torch.long).split(batch_size) if share else ()
+        return Loader(dataset, batch_size=None, sampler=lookups, **settings)
     return Loader(Subset(dataset, share), batch_size=batch_size, **settings)
+
+
+def validated(size: int, batch_size: int, limit: int | float) -> int:
+    """How many of a validation split's `size` samples, from its first, trainer.limit_val_batches=`limit`
+    keeps: an integer, that many batches of `batch_size` (over all processes together, so that every
+    number of processes validates the same samples); a fraction, that share of them (of the decimal
+    as written: 0.57 of 100 is 57, where the float's product is 56.99...), at least one."""
+    if isinstance(limit, int):
+        return min(size, limit * batch_size)
+    return max(1, int(Fraction(repr(limit)) * size))
 
 
 def batches(loader: Loader | StreamLoader, position: Position) -> Iterator[list[torch.Tensor]]:

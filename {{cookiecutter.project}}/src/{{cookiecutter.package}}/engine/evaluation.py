@@ -1,12 +1,13 @@
 """Validation: the loss and the metrics over a dataset, placed as training places its batches
-(`channels_last`, `non_blocking`). It draws no random numbers, so it cannot perturb a resume.
+(`channels_last`, `non_blocking`). It draws no random numbers, so it cannot perturb a resume, and
+a stop reaches it within a batch (`stop`): it is left unfinished, and owed to the resumed run.
 
 Metrics have torchmetrics' interface (update per batch, compute at the end, which sums every
 process's share once training runs on several): the ready ones (ready/metrics.py) or torchmetrics'
 own.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,8 +15,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from . import components
+from .config import TrainerConfig
 from .errors import RunError, first_line
-from .parts import Evaluable, Metric
+from .parts import Evaluable, Metric, Run
 from .precision import autocast
 from .ready.metrics import Sum
 
@@ -25,30 +27,74 @@ def build_metrics(cfg: DictConfig, facts: dict[str, Any], device: torch.device) 
     return {name: components.build(f"metrics.{name}", node, **facts).to(device) for name, node in cfg.items()}
 
 
+def scheduled(trainer: TrainerConfig, step: int) -> bool:
+    """Whether trainer.val_every_n_steps validates at `step` (the last step is the end's to validate)."""
+    return step % trainer.val_every_n_steps == 0 and step < trainer.max_steps
+
+
+def validate(
+    run: Run, loss: float | None, stop: Callable[[], bool] | None = None, judged: bool = False
+) -> dict[str, float] | None:
+    """The validation metrics at this step, logged, with the step's training loss (which
+    optimized_metric may name), kept by the monitor, and, `judged` (a scheduled validation), judged
+    by it for early stopping. A step is validated once: the save at the last step, an early stop and
+    the end share one validation. None where `stop` cut it short: the monitor then owes it, and the
+    resumed run does it first (its time is validation's all the same)."""
+    if run.monitor.latest is None or run.monitor.latest[0] != run.step:
+        with run.clock.during("validation"):
+            val = evaluate(run, run.val_loader, stop=stop)
+        if val is None:
+            run.monitor.abandoned(run.step, loss)
+            return None
+        run.tracker.log_metrics(val, run.step)
+        run.monitor.validated(run.step, val if loss is None else {**val, "train/loss": loss})
+        run.callbacks.call("on_validation_end", run, run.monitor.latest[1])
+        if judged:
+            run.monitor.observe()
+    return run.monitor.latest[1]
+
+
+class Abandoned(Exception):
+    """A stop came before the validation's end (`in_step`)."""
+
+
 @torch.no_grad()
-def evaluate(run: Evaluable, loader: DataLoader, shared: bool = True, split: str = "val") -> dict[str, float]:
+def evaluate(
+    run: Evaluable,
+    loader: DataLoader,
+    shared: bool = True,
+    split: str = "val",
+    stop: Callable[[], bool] | None = None,
+) -> dict[str, float] | None:
     """`<split>/loss`, the mean loss per unit the task counts (sample, token), and `<split>/<name>`
     for each metric. `shared`: each process holds a share of the samples, and the results combine
-    all shares (a collective step); otherwise only the loss, over this process's loader alone."""
+    all shares (a collective step); otherwise only the loss, over this process's loader alone.
+    `stop` is asked before each batch: None once it says so, the metrics as they were before."""
     run.model.eval()
     # Two sums, the loss weighted by its units and the units, so that the mean is per unit, not
     # one of batch means. A NaN stays in them: a NaN loss must show.
     total, units = (Sum(sync_on_compute=shared).to(run.device) for _ in range(2))
     metrics = run.metrics if shared else {}
-    for batch, counted in in_step(loader, run, shared):
-        inputs, targets = run.task.split(run.place(batch))
-        with autocast(run.amp, run.device):
-            outputs = run.model(inputs)
-        if not counted:
-            continue
-        outputs = in_float32(outputs)
-        loss, count = run.task.loss(run.criterion, outputs, targets)
-        # A batch with nothing to count (all padding) has a NaN mean: it adds nothing, not NaN.
-        total.update(torch.where(count > 0, loss * count, 0.0) if torch.is_tensor(count) else loss * count)
-        units.update(count)
-        for metric in metrics.values():
-            metric.update(outputs, targets)
-    run.model.train()
+    try:
+        for batch, counted in in_step(loader, run, shared, stop):
+            inputs, targets = run.task.split(run.place(batch))
+            with autocast(run.amp, run.device):
+                outputs = run.model(inputs)
+            if not counted:
+                continue
+            outputs = in_float32(outputs)
+            loss, count = run.task.loss(run.criterion, outputs, targets)
+            # A batch with nothing to count (all padding) has a NaN mean: it adds nothing, not NaN.
+            total.update(torch.where(count > 0, loss * count, 0.0) if torch.is_tensor(count) else loss * count)
+            units.update(count)
+            for metric in metrics.values():
+                metric.update(outputs, targets)
+    except Abandoned:
+        for metric in metrics.values():  # the next validation starts from nothing, as this one did
+            metric.reset()
+        return None
+    finally:
+        run.model.train()
     results = {f"{split}/loss": (total.compute() / units.compute()).item()}
     for name, metric in metrics.items():
         results[f"{split}/{name}"] = metric.compute().item()
@@ -142,21 +188,28 @@ def shape(value: Any) -> str:
     return type(value).__name__
 
 
-def in_step(loader: DataLoader, run: Evaluable, shared: bool) -> Iterator[tuple[Any, bool]]:
+def in_step(
+    loader: DataLoader, run: Evaluable, shared: bool, stop: Callable[[], bool] | None = None
+) -> Iterator[tuple[Any, bool]]:
     """The loader's batches, each with True: it counts; then, where each forward is a collective
     step (strategy=fsdp gathers parameters from every process), the last batch again with False,
     until this process has run as many forwards as the process whose share of the samples has the
-    most batches."""
-    count, batch = 0, None
-    for batch in loader:
-        count += 1
-        yield batch, True
-    if run.strategy.collective_forward and shared:
-        missing = run.world.max(count) - count
-        if missing and batch is None:
-            raise RunError(
-                f"this process's share of the validation set is empty, and under strategy={run.cfg.strategy.type} "
-                f"every process takes part in each forward; give validation at least {run.world.size} samples"
-            )
-        for _ in range(missing):
+    most batches. `stop` (a collective step too) is asked before each of as many batches on every
+    process, a share with fewer asking it on; Abandoned once it says so."""
+    mine, batch = len(loader), None
+    collective = run.strategy.collective_forward and shared
+    rounds = run.world.max(mine) if collective or stop is not None else mine
+    if collective and rounds > mine == 0:
+        raise RunError(
+            f"this process's share of the validation set is empty, and under strategy={run.cfg.strategy.type} "
+            f"every process takes part in each forward; give validation at least {run.world.size} samples"
+        )
+    batches = iter(loader)
+    for index in range(rounds):
+        if stop is not None and stop():
+            raise Abandoned
+        if index < mine:
+            batch = next(batches)
+            yield batch, True
+        elif collective:
             yield batch, False

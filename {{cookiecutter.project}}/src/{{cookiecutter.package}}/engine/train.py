@@ -7,6 +7,7 @@ one is how the failures this project exists to prevent come back.
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
 from .divergence import Divergence
 from .errors import RunError, reported, shown
-from .evaluation import build_metrics, check_wiring, evaluate
+from .evaluation import build_metrics, check_wiring, evaluate, scheduled, validate
 from .goodput import Clock
 from .hooks import CallbackError, Callbacks
 from .monitor import Monitor
@@ -89,20 +90,24 @@ def train_in(cfg: Config, world: World, began: float | None = None, remote: Remo
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
         mirror = remote.mirroring(home, cfg.checkpoint.keep_last) if remote is not None else None  # rank 0's only
         run, checkpoints, found = setup(cfg, world, home, began, mirror)
-        if found and (run.step >= cfg.trainer.max_steps or run.monitor.stopped):  # a resume with nothing left to train
+        if found and run.monitor.finished(run.step):  # a resume with nothing left to train
             return nothing_to_train(run, checkpoints)
 
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status, unsaved = "FAILED", None
         with Preemption(cfg.trainer.hook_timeout_s, checkpoints.continuation) as preemption:
+            # What a validation asks before each batch, as the loop does at each step: a stop reaches it within one.
+            stop = lambda: preemption.agreed(world, remote.lost if remote is not None else None, during="validation")  # noqa: E731
             lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))
             run.tracker.open(*record(cfg, world, lineage), checkpoint=found and found.path, datasets=inputs)
             try:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
                     try:
-                        result = finish(run, checkpoints, fit(run, checkpoints, preemption, remote), verdict)
+                        result = finish(
+                            run, checkpoints, fit(run, checkpoints, preemption, stop, remote), verdict, stop
+                        )
                     except CallbackError as error:  # raised on every process at once (hooks.py)
                         where, then = checkpoints.on_disk(), checkpoints.continuation()
                         if error.stopped is None:
@@ -111,9 +116,8 @@ def train_in(cfg: Config, world: World, began: float | None = None, remote: Remo
                         preemption.received, unsaved = error.stopped, f"{error}; {where}"
                     except DataError as error:  # a shard damaged mid-run: once it is put back, the run goes on
                         raise DataError(f"{error}; {checkpoints.standing('')}") from None
-                # Short of max_steps: stopped by a signal, unless early stopping ended it.
-                finished = run.step >= cfg.trainer.max_steps or run.monitor.stopped
-                status = "FINISHED" if finished and unsaved is None else "KILLED"
+                # Short of max_steps, or of its last validation: stopped by a signal, unless early stopping ended it.
+                status = "FINISHED" if run.monitor.finished(run.step) and unsaved is None else "KILLED"
                 # One stopped to come back logs its models when it ends; one that a signal reached at
                 # its end is about to be killed.
                 if status == "FINISHED" and not preemption.received:
@@ -130,7 +134,7 @@ def train_in(cfg: Config, world: World, began: float | None = None, remote: Remo
         # After the MLflow run is ended: a requeue has SLURM stop every process of the job.
         comeback = world.on_main(lambda: restarts.requeue(preemption.received))
         log.info(
-            f"stopped at step {run.step} by {preemption.received.name}; {unsaved or f'saved {newest}'}; "
+            f"stopped at step {run.step} by {preemption.received.name}{preemption.cut}; {unsaved or f'saved {newest}'}; "
             f"{comeback or f'continue with {continuing(cfg)}'}"
         )
         said_at_end(run)
@@ -283,12 +287,13 @@ def build(cfg: Config, world: World, strategy: strategies.Single) -> Evaluable:
     model = strategy.build(lambda: components.build("model", cfg.model, **data.facts))
     criterion = components.build("loss", cfg.loss, **data.facts).to(world.device)
     metrics = build_metrics(cfg.metrics, data.facts, world.device)
-    val_loader = evaluation_loader(data.val, cfg.data.batch_size, cfg.data.get("num_workers", 0), cfg.device, world)
+    workers, limit = cfg.data.get("num_workers", 0), cfg.trainer.limit_val_batches
+    val_loader = evaluation_loader(data.val, cfg.data.batch_size, workers, cfg.device, world, limit)
     return Evaluable(cfg, world, strategy, data, task, val_loader, model, criterion, metrics)
 
 
 def fit(
-    run: Run, checkpoints: Checkpointer, preemption: Preemption, remote: RemoteRun | None = None
+    run: Run, checkpoints: Checkpointer, preemption: Preemption, stop: Callable[[], bool], remote: RemoteRun | None
 ) -> dict[str, float]:
     """11. Trains to `trainer.max_steps`, a signal or an early stop (monitor.py); saves on
     schedule, each save validated for its rank (checkpoint.keep_best). A save that fails (a full
@@ -305,6 +310,8 @@ def fit(
     stepping = run.callbacks.stepping  # the one check a step pays for callbacks without a per-step hook
     run.callbacks.call("on_fit_start", run)
     run.clock.training(run.step)
+    if run.monitor.owed is not None:  # a stop cut this step's validation short: done first, as the unbroken run did
+        validate(run, run.monitor.owed[1], stop, judged=scheduled(trainer, run.step))
     with Progress(trainer, run.step, main=run.world.is_main) as progress:
         while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world, lost):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
@@ -328,13 +335,14 @@ def fit(
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
                 run.clock.beat(run.step)
                 lost = remote.lost if remote is not None else None  # rank 0's; every rank stops at the next agreement
-            if run.step % trainer.val_every_n_steps == 0 and run.step < trainer.max_steps:
-                validate(run, loss.item())
-                run.monitor.observe()
+            # A validation cut short by a stop ends the step: the loop's check ends the run, as after any step.
+            if scheduled(trainer, run.step) and validate(run, loss.item(), stop, judged=True) is None:
+                continue
             if checkpoints.due(run.step):
                 divergence.check(checkpoints.standing)
-                if keep_best:  # each checkpoint is ranked by its own step's metric
-                    validate(run, loss.item())
+                # Each checkpoint is ranked by its own step's metric.
+                if keep_best and validate(run, loss.item(), stop) is None:
+                    continue
                 with run.clock.during("save"):
                     checkpoints.try_save(run.step)
     if preemption.failed:  # another machine took the run over: it trains it now
@@ -345,24 +353,13 @@ def fit(
     return {"train/loss": loss.item(), **meter.total()} if loss is not None else {}
 
 
-def validate(run: Run, loss: float | None) -> dict[str, float]:
-    """The validation metrics at this step, logged, with the step's training loss (which
-    optimized_metric may name), kept by the monitor. A step is validated once: the save at the
-    last step, an early stop and the end share one validation."""
-    if run.monitor.latest is None or run.monitor.latest[0] != run.step:
-        with run.clock.during("validation"):
-            val = evaluate(run, run.val_loader)
-        run.tracker.log_metrics(val, run.step)
-        run.monitor.validated(run.step, val if loss is None else {**val, "train/loss": loss})
-        run.callbacks.call("on_validation_end", run, run.monitor.latest[1])
-    return run.monitor.latest[1]
-
-
-def finish(run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdict: str) -> dict:
-    """The final validation and the last save, which must succeed, then the callbacks' on_fit_end
-    (at a signal too: run.step says where); the run's result, the same on every process (the
-    MLflow run id is rank 0's)."""
-    val = validate(run, trained.get("train/loss"))  # no loss when stopped before the first step
+def finish(
+    run: Run, checkpoints: Checkpointer, trained: dict[str, float], verdict: str, stop: Callable[[], bool]
+) -> dict:
+    """The final validation, of a run at its end (`stop` may cut it short; a run stopped sooner saves
+    at once), and the last save, which must succeed, then the callbacks' on_fit_end (at a signal too:
+    run.step says where); the run's result, the same on every process (the MLflow run id is rank 0's)."""
+    val = (validate(run, trained.get("train/loss"), stop) if run.monitor.ended(run.step) else None) or {}
     run.tracker.log_metrics({key: value for key, value in trained.items() if key.startswith("train/mean_")}, run.step)
     with run.clock.during("save"):
         checkpoints.final(run.step)
