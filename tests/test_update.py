@@ -504,11 +504,30 @@ def test_an_update_brings_the_templates_new_experiments_where_experiment_finds_t
     told = updated.stdout.splitlines()
     assert "new experiments in configs/experiment/: wide_mlp" in told, updated.stdout
     assert "updated experiments you never changed: token_gpt" in told, updated.stdout
-    assert (mine / "token_gpt.yaml").read_bytes() == (shipped / "token_gpt.yaml").read_bytes()
+    assert (mine / "token_gpt.yaml").read_text(encoding="utf-8").endswith("\nseed: 4\n")
     assert (mine / "cnn_digits.yaml").read_bytes() == edited
     assert not (mine / "char_lm.yaml").exists()
     assert composed(project, "experiment=wide_mlp")["model"]["hidden_sizes"] == [256]
     assert composed(project, "experiment=token_gpt")["seed"] == 4
+
+
+@pytest.mark.slow
+def test_after_stops_in_one_line_when_the_template_is_not_at_the_commit_recorded(
+    bake: Bake, template: Path
+) -> None:
+    """What the bake wrote comes from the template at its commit: one git cannot check out stops
+    the step in one line, exit 2, with no URL in it (a URL may hold a token), and writes nothing."""
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    state["commit"] = "0" * 40
+    (project / ".cruft.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+    stopped = updating(project, f"python -m {PACKAGE}.engine.update after")
+    assert stopped.returncode == 2, f"{stopped.stdout}\n{stopped.stderr}"
+    assert stopped.stderr.startswith("error: git could not check out the template that .cruft.json")
+    assert stopped.stderr.count("\n") == 1 and str(template) not in stopped.stderr
+    assert git(project, "status", "--porcelain") == " M .cruft.json"
 
 
 def one_root(template: Path) -> str:
@@ -594,8 +613,8 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
 def hydra_config(project: Path, key: str) -> object:
     """A key of the `hydra` node `python run.py` runs with in `project`."""
     code = (
-        "import json, sys; from hydra import compose, initialize_config_dir\n"
-        "from omegaconf import OmegaConf\n"
+        f"import json, sys; import {PACKAGE}.engine.config  # registers the schema\n"
+        "from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf\n"
         "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
         "    node = compose('config', return_hydra_config=True).hydra\n"
         "print(json.dumps(OmegaConf.to_container(OmegaConf.select(node, sys.argv[2]))))"

@@ -85,8 +85,11 @@ def after(project: Path) -> None:
     package = state["context"]["cookiecutter"]["package"]
     configs = project / "configs"
     one_root = f"pkg://{package}.engine.configs" not in searchpath(read(configs / "config.yaml"))
+    earlier = baked_state(project, state)
+    if earlier.get("commit") == state.get("commit") and not one_root:
+        return
     with tempfile.TemporaryDirectory() as clone:
-        baked, new = (rendered(clone, each) for each in (baked_state(project, state), state))
+        baked, new = (rendered(clone, each) for each in (earlier, state))
         if one_root:
             print("\n".join(two_roots(configs, baked, project / "src" / package / "engine" / "configs")))
         if lines := experiments(configs, baked, new):
@@ -111,9 +114,16 @@ def rendered(clone: str, state: dict) -> Path | None:
     if state.get("commit") is None:
         return None
     template = Path(clone, "template")
-    if not template.is_dir():
-        git(Path(clone), "clone", "-q", "--no-checkout", state["template"], str(template))
-    git(template, "checkout", "-q", "--force", state["commit"])
+    try:
+        if not template.is_dir():
+            git(Path(clone), "clone", "-q", "--no-checkout", state["template"], str(template))
+        git(template, "checkout", "-q", "--force", state["commit"])
+    except subprocess.CalledProcessError:
+        raise RunError(
+            f"git could not check out the template that {STATE} names at {shown(state['commit'])}, to tell your "
+            f"configs/ from what the bake wrote (its message is left out: a URL may hold a token); run git clone "
+            f"on that template to see why, then run this again"
+        ) from None
     folder = template / (state.get("directory") or "")
     answers = {key: value for key, value in state["context"]["cookiecutter"].items() if not key.startswith("_")}
     context = generate_context(str(folder / "cookiecutter.json"), extra_context=answers)
@@ -199,7 +209,7 @@ def merged(mine: dict, was: dict, now: dict) -> dict:
 def experiments(configs: Path, baked: Path | None, new: Path | None) -> list[str]:
     """Brings the template's experiments that `experiment=` would miss: one it added since the bake,
     and a new version of one you never changed; one you changed or removed stays as you left it."""
-    if new is None or baked == new:
+    if new is None:
         return []
     arrived, refreshed = [], []
     for theirs in sorted((new / "experiment").glob("*.yaml")):
