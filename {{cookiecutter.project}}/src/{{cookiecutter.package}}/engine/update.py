@@ -151,7 +151,10 @@ def two_roots(configs: Path, baked: Path | None, engine: Path) -> list[str]:
             removed += 1
             continue
         if taken != mine:
-            path.write_text(yaml.safe_dump(taken, sort_keys=False), encoding="utf-8")
+            # Hydra reads a file's package from its header comment, which YAML drops.
+            first = path.read_text(encoding="utf-8").partition("\n")[0]
+            header = f"{first}\n" if first.startswith("# @package") else ""
+            path.write_text(header + yaml.safe_dump(taken, sort_keys=False), encoding="utf-8")
         arrived = keys(differences(taken, mine))
         kept.append(
             f"configs/{relative.as_posix()} (yours: {listed(keys(differences(taken, now)), most=4)}"
