@@ -454,3 +454,49 @@ def test_an_install_that_is_not_editable_carries_the_engines_configs(
     )
     assert found.returncode == 0, found.stderr
     assert found.stdout.split() == ["torch.optim.SGD", str(configs), str(installed / engine)]
+
+
+# A team's choices over every group's defaults, where docs/configuration.md puts them: a setting
+# every option of a group takes in config.yaml, one that a single option takes in a file of that
+# option's path, which replaces the engine's.
+OWN_SETTINGS = {
+    "name": "ours",
+    "seed": 7,
+    "trainer": {"max_steps": 120, "log_every_n_steps": 5, "val_every_n_steps": 40},
+    "optimizer": {"lr": 6e-4, "weight_decay": 0.05},
+    "scheduler": {"warmup_steps": 7},
+    "data": {"batch_size": 32, "val_fraction": 0.25},
+    "checkpoint": {"every_n_steps": 40, "keep_last": 2},
+    "mlflow": {"experiment_name": "ours"},
+}
+OWN_OPTIONS = {
+    Path("model", "mlp.yaml"): {"hidden_sizes": [48], "dropout": 0.2},
+    Path("model", "cnn.yaml"): {"channels": [8, 16], "dropout": 0.3},
+    Path("scheduler", "cosine.yaml"): {"min_lr_ratio": 0.2},
+}
+
+
+@pytest.mark.slow
+def test_the_bakes_daily_tests_pass_with_every_groups_defaults_changed_by_the_user(
+    bake: Bake, tmp_path: Path
+) -> None:
+    """The tests that ship with a project hold the engine to its contracts, never to a value the
+    user is meant to change: with the team's own learning rate, batch size, steps, model sizes,
+    schedule, name and checkpoint cadence, the daily tier (`pytest` in the bake) passes."""
+    project = bake(tmp_path, project="chosen-trainer")
+    configs, engine = project / "configs", project / "src" / "chosen_trainer" / "engine" / "configs"
+    with (configs / "config.yaml").open("a", encoding="utf-8") as file:
+        file.write("\n" + yaml.safe_dump(OWN_SETTINGS, sort_keys=False))
+    for path, changed in OWN_OPTIONS.items():
+        option = yaml.safe_load((engine / path).read_text(encoding="utf-8"))
+        assert changed.keys() <= option.keys(), f"{path} has no {set(changed) - set(option)}"
+        (configs / path).parent.mkdir(exist_ok=True)
+        (configs / path).write_text(yaml.safe_dump({**option, **changed}), encoding="utf-8")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-2000:]

@@ -474,6 +474,62 @@ def test_an_update_brings_the_engines_changed_default_and_new_setting_and_keeps_
     assert composed(project, "model=small_cnn")["model"]["channels"] == [8, 16]
 
 
+@pytest.mark.slow
+def test_an_update_brings_the_templates_new_experiments_where_experiment_finds_them(
+    bake: Bake, template: Path
+) -> None:
+    """configs/experiment/ is the user's, and the skip list keeps cruft out of it: the line's
+    `after` brings an experiment the template added and the new version of one the user never
+    changed; one the user changed or removed stays as they left it."""
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    mine = project / "configs" / "experiment"
+    (mine / "char_lm.yaml").unlink()
+    with (mine / "cnn_digits.yaml").open("a", encoding="utf-8") as file:
+        file.write("seed: 3\n")
+    commit_all(project, "My experiments")
+    edited = (mine / "cnn_digits.yaml").read_bytes()
+    shipped = template / "{{cookiecutter.project}}" / "configs" / "experiment"
+    (shipped / "wide_mlp.yaml").write_text(
+        "# @package _global_\nname: wide_mlp\nmodel:\n  hidden_sizes: [256]\n", encoding="utf-8"
+    )
+    for name in ("token_gpt", "cnn_digits", "char_lm"):
+        with (shipped / f"{name}.yaml").open("a", encoding="utf-8") as file:
+            file.write("seed: 4\n")
+    commit_all(template, "An experiment added, three changed")
+
+    updated = updating(project, update_line(project))
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    told = updated.stdout.splitlines()
+    assert "new experiments in configs/experiment/: wide_mlp" in told, updated.stdout
+    assert "updated experiments you never changed: token_gpt" in told, updated.stdout
+    assert (mine / "token_gpt.yaml").read_text(encoding="utf-8").endswith("\nseed: 4\n")
+    assert (mine / "cnn_digits.yaml").read_bytes() == edited
+    assert not (mine / "char_lm.yaml").exists()
+    assert composed(project, "experiment=wide_mlp")["model"]["hidden_sizes"] == [256]
+    assert composed(project, "experiment=token_gpt")["seed"] == 4
+
+
+@pytest.mark.slow
+def test_after_stops_in_one_line_when_the_template_is_not_at_the_commit_recorded(
+    bake: Bake, template: Path
+) -> None:
+    """What the bake wrote comes from the template at its commit: one git cannot check out stops
+    the step in one line, exit 2, with no URL in it (a URL may hold a token), and writes nothing."""
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    state["commit"] = "0" * 40
+    (project / ".cruft.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+    stopped = updating(project, f"python -m {PACKAGE}.engine.update after")
+    assert stopped.returncode == 2, f"{stopped.stdout}\n{stopped.stderr}"
+    assert stopped.stderr.startswith("error: git could not check out the template that .cruft.json")
+    assert stopped.stderr.count("\n") == 1 and str(template) not in stopped.stderr
+    assert git(project, "status", "--porcelain") == " M .cruft.json"
+
+
 def one_root(template: Path) -> str:
     """Commits the template as it was at ONE_ROOT, from this checkout's history; returns it."""
     history = ["git", "-C", str(TEMPLATE)]
@@ -492,8 +548,11 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
 ) -> None:
     """Baked with every group, option and setting in configs/, its choices made there (a setting
     and a group's option in config.yaml, a default edited in the group's file, an option of its
-    own), then updated by the line docs/updating.md gives such a project: configs/ keeps only what
-    differs from the engine's, and the project composes as a fresh bake given those choices."""
+    own), then updated by the line docs/updating.md gives such a project: a file as the bake wrote
+    it gives way to the engine's, and its new defaults arrive (checkpoint.every_s, null then, 300
+    now; hydra's exclude_keys, which gained checkpoint.remote*); the edited file keeps the user's
+    value and gains the engine's new keys; the template's experiments arrive where `experiment=`
+    finds them; the project composes as a fresh bake given those choices."""
     layout = git(template, "rev-parse", "HEAD")
     fresh = bake(template.parent / "fresh", template=template)
     one_root(template)
@@ -507,9 +566,6 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
     edit(configs / "checkpoint" / "default.yaml", "keep_last: 3\n", "keep_last: 2\n")
     (configs / "model" / "small_cnn.yaml").write_text(SMALL_CNN, encoding="utf-8")
     commit_all(project, "My choices")
-    # Named experiments are the user's from the bake on (configs/experiment/ is skipped), so the
-    # ones the template added since stay out, and the project's own stay.
-    experiments = {f"experiment/{path.name}" for path in (configs / "experiment").iterdir()}
     git(template, "rm", "-rq", ".")
     git(template, "checkout", layout, "--", ".")
     new = commit_all(template, "Two config roots")
@@ -518,14 +574,59 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
     assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
     assert merged_cleanly(project)
     assert json.loads((project / ".cruft.json").read_text())["commit"] == new
-    left = {str(path.relative_to(configs)) for path in configs.rglob("*.yaml")}
-    assert left == {"config.yaml", "checkpoint/default.yaml", "model/small_cnn.yaml", *experiments}
-    assert "kept configs/checkpoint/default.yaml, configs/model/small_cnn.yaml" in updated.stdout
-    # The kept copy of checkpoint/default.yaml holds every value as the bake wrote it: a default the
-    # engine changed since (checkpoint.every_s, null then) stays the copy's.
-    chosen = ["name=mine", "trainer.max_steps=50", "model=cnn", "checkpoint.keep_last=2", "checkpoint.every_s=null"]
+    experiments = {
+        path.relative_to(fresh / "configs") for path in (fresh / "configs" / "experiment").iterdir()
+    }
+    left = {path.relative_to(configs) for path in configs.rglob("*.yaml")}
+    assert left == {
+        Path("config.yaml"),
+        Path("checkpoint/default.yaml"),
+        Path("model/small_cnn.yaml"),
+        *experiments,
+    }
+    assert all(
+        (configs / path).read_bytes() == (fresh / "configs" / path).read_bytes()
+        for path in experiments
+    )
+    assert "exclude_keys" not in (configs / "config.yaml").read_text(encoding="utf-8")
+    told = [line.strip() for line in updated.stdout.splitlines()]
+    assert "from the engine now: 31 files you never changed" in told, updated.stdout
+    assert (
+        "kept: configs/checkpoint/default.yaml (yours: keep_last; the engine's: every_s, remote, "
+        "remote_wait_s, remote_lease_s); configs/model/small_cnn.yaml (yours)"
+    ) in told
+    assert (
+        "config.yaml keeps name, trainer.max_steps "
+        "(the earlier one: git show HEAD:configs/config.yaml)" in told
+    )
+    chosen = ["name=mine", "trainer.max_steps=50", "model=cnn", "checkpoint.keep_last=2"]
     assert composed(project) == composed(fresh, *chosen)
+    assert composed(project)["checkpoint"]["every_s"] == 300
     assert composed(project, "model=small_cnn")["model"]["channels"] == [8, 16]
+    gpt = composed(project, "experiment=token_gpt")  # found in configs/experiment/, as arrived
+    assert (gpt["name"], gpt["model"]["_target_"]) == ("token-gpt", f"{PACKAGE}.models.GPT")
+    assert hydra_config(project, "job.config.override_dirname.exclude_keys") == hydra_config(
+        fresh, "job.config.override_dirname.exclude_keys"
+    )
+
+
+def hydra_config(project: Path, key: str) -> object:
+    """A key of the `hydra` node `python run.py` runs with in `project`."""
+    code = (
+        f"import json, sys; import {PACKAGE}.engine.config  # registers the schema\n"
+        "from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf\n"
+        "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
+        "    node = compose('config', return_hydra_config=True).hydra\n"
+        "print(json.dumps(OmegaConf.to_container(OmegaConf.select(node, sys.argv[2]))))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code, str(project / "configs"), key],
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0, found.stderr
+    return json.loads(found.stdout)
 
 
 def set_as_told(project: Path, told: str) -> None:

@@ -190,7 +190,7 @@ def test_an_optimizer_written_with_partial_as_lightning_hydra_template_does_buil
     cfg = make_cfg("+optimizer._partial_=true")
     model = torch.nn.Linear(2, 2)
     optimizer = components.build("optimizer", cfg.optimizer, params=model.parameters())
-    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 3e-3
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == cfg.optimizer.lr
 
 
 def test_a_metric_is_built_for_the_datas_classes(make_cfg):

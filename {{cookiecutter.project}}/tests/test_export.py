@@ -41,10 +41,10 @@ def docs_lines(marker: str = "load_file") -> str:
     return block
 
 
-def val_loss(model: torch.nn.Module) -> float:
+def val_loss(model: torch.nn.Module, val_fraction: float) -> float:
     """The demo's val/loss (mean cross-entropy over the validation samples), computed by hand by a
     model in eval mode."""
-    inputs, targets = digits(val_fraction=0.2).val.tensors
+    inputs, targets = digits(val_fraction).val.tensors
     with torch.no_grad():
         return torch.nn.functional.cross_entropy(model(inputs).float(), targets).item()
 
@@ -53,7 +53,8 @@ def val_loss(model: torch.nn.Module) -> float:
 def test_the_docs_lines_rebuild_the_best_model_which_gives_the_val_loss_logged_at_its_step(
     make_cfg, client, checkpoint_dir, tmp_path, monkeypatch
 ):
-    trained = recipe.train(make_cfg())
+    cfg = make_cfg()
+    trained = recipe.train(cfg)
     logged = {step: values[-1] for step, values in losses(client, trained["run_id"], "val/loss").items()}
     best = min(logged, key=logged.get)
     assert (checkpoint_dir / BEST).read_text() == path_of(checkpoint_dir, best).name
@@ -62,7 +63,7 @@ def test_the_docs_lines_rebuild_the_best_model_which_gives_the_val_loss_logged_a
     monkeypatch.chdir(tmp_path)
     lines = {}
     exec(docs_lines(), lines)
-    assert val_loss(lines["model"]) == pytest.approx(logged[best], rel=1e-6)
+    assert val_loss(lines["model"], cfg.data.val_fraction) == pytest.approx(logged[best], rel=1e-6)
     described = json.loads((tmp_path / "model.json").read_text())
     assert described["source"]["step"] == best and described["source"]["run_id"] == trained["run_id"]
     assert described["score"] == {"metric": "val/loss", "mode": "min", "value": logged[best]}

