@@ -102,6 +102,9 @@ def test_a_url_that_carries_a_credential_is_refused_in_one_line_that_does_not_re
         "s3://bkt/runs",
         "gs://bkt/runs",
         "az://container@account/runs",
+        "s3://bkt/runs/2024-06-01T12:00",  # ':' and '@' in the path are a folder's name, no credential
+        "s3://bkt/team@example.com/runs",
+        "az://container@account/team@example.com/runs",
         "/mnt/shared/runs",
         "/mnt/shared/v1:runs@2024",
         "file:///mnt/runs",

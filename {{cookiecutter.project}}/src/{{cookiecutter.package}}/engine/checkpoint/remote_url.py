@@ -51,9 +51,10 @@ def checked(url: str) -> str:
         problem = "carries a query or fragment (a key or a signature, say)"
     elif scheme == "file" and host.lower() not in LOCAL_HOSTS:
         return _refused(said, "names a host, which a file:// URL cannot reach (file:///<path> is a mounted folder's)")
-    elif scheme in PACKAGES and ":" in rest:
+    # fsspec reads a credential from the host part only; the path may hold ':' and '@' (a time, an address).
+    elif scheme in PACKAGES and ":" in host:
         problem = "carries a password"
-    elif scheme in PACKAGES and "@" in rest and not (scheme in NAMED_USER and rest.count("@") == host.count("@") == 1):
+    elif scheme in PACKAGES and "@" in host and not (scheme in NAMED_USER and host.count("@") == 1):
         problem = "carries a user (an access key, say)"
     else:
         return url
