@@ -162,8 +162,15 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
         ["run.py", "-m", f"checkpoint.remote=s3://bkt/a,s3://bkt/b#{SECRET}"],
         ["run.py", f"checkpoint.remote=simplecache::s3://bkt/runs::AKIAEXAMPLE:{SECRET}"],
         ["run.py", f"checkpoint.remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs", "--cfg", "job"],  # Hydra would print it
+        # The key as Hydra may also read it: each of these, not refused, reached Hydra and was printed whole.
+        ["run.py", f"checkpoint.remote@_global_=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["run.py", f"checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["eval.py", "checkpoint=last", f"++checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["export.py", "checkpoint=last", f"+checkpoint.remote@pkg=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["run.py", f"~checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
     ],
-    ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"],
+    ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"]
+    + ["package", "slash", "plus-slash", "plus-package", "tilde-slash"],
 )
 def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(project, command):
     script, *overrides = command

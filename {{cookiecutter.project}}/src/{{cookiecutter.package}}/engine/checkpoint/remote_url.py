@@ -107,7 +107,7 @@ def _given(overrides: Iterable[str]) -> Iterator[str]:
     """The values that `overrides` give `checkpoint.remote`, as Hydra parses them (each of a
     sweep's); where Hydra cannot parse one, the whole text after its `=`, judged as one."""
     for override in overrides:
-        if override.partition("=")[0].lstrip("+~") != KEY:
+        if _key(override.partition("=")[0]) != KEY:
             continue
         try:
             parsed = OverridesParser.create().parse_override(override)
@@ -115,6 +115,12 @@ def _given(overrides: Iterable[str]) -> Iterator[str]:
             yield override.partition("=")[2]
             continue
         yield from _strings(parsed.value())  # a deletion's too: `.hydra/overrides.yaml` holds it
+
+
+def _key(typed: str) -> str:
+    """The setting an override's key names, as Hydra may read it: `+`, `++` and `~` before it, a
+    package after `@` (`checkpoint.remote@_global_`) and `/` for `.` (`checkpoint/remote`) left out."""
+    return typed.lstrip("+~").partition("@")[0].replace("/", ".")
 
 
 def _strings(value: object) -> Iterator[str]:
