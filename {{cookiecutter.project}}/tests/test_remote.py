@@ -437,7 +437,7 @@ def test_a_new_machine_fetches_the_newest_checkpoint_that_checks_and_the_runs_ac
 def held(home: Path, remote: str, resume: str | None, wait_s: float = 5, lease_s: float = 60):
     """remote_run.held, as the recipe enters it, for a run of `home` and `remote`."""
     settings = {"dir": str(home), "remote": remote, "remote_wait_s": wait_s, "remote_lease_s": lease_s}
-    return remote_run.held(OmegaConf.create({"name": RUN, "resume": resume, "checkpoint": settings}))
+    return remote_run.held(OmegaConf.create({"name": RUN, "resume": resume, "checkpoint": settings}), swept=False)
 
 
 def test_a_machine_back_with_a_home_older_than_the_remote_continues_from_the_remote(remote, tmp_path):
@@ -502,7 +502,7 @@ def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_i
 def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
     settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
     config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
-    with pytest.raises(RunError) as refused, remote_run.held(config):
+    with pytest.raises(RunError) as refused, remote_run.held(config, swept=False):
         pass
     part = name.split("/")[1]
     assert str(refused.value) == (
@@ -624,6 +624,23 @@ def mirrored(remote: str, home: Path, floats: int) -> str:
         mirror.landed(path)
     mirror.settle(30)
     return store.url
+
+
+def test_a_reader_given_a_sweep_jobs_home_fetches_no_other_runs_checkpoints_into_it(remote, tmp_path):
+    """A job's home (`checkpoints/<name>/<its overrides>`) mirrors to `<name>/<its overrides>`; read by
+    `name=<name>`, the plain run's folder `<name>` would fill it with another model."""
+    store, key = store_of(remote), "optimizer.lr=1e-3"
+    for run, step in ((RUN, 10), (f"{RUN}/{key}", 20)):
+        mirror = Mirror(store, run, tmp_path / run, keep_last=3, leg="leg-1", known={})
+        save(mirror, tmp_path / run, step, keep_last=3)
+        mirror.settle(30)
+    cfg, job_home = OmegaConf.create({"checkpoint": {"remote": remote}}), tmp_path / "elsewhere" / RUN / key
+    with pytest.raises(RunError) as refused:
+        remote_run.fetched_to_read(cfg, RUN, job_home)
+    assert str(refused.value).startswith(f"checkpoint.dir={job_home} is not the home of the run {RUN}, ")
+    assert f"read a job's as name={RUN}/{key} " in str(refused.value) and "\n" not in str(refused.value)
+    assert not job_home.exists()
+    assert remote_run.fetched_to_read(cfg, f"{RUN}/{key}", job_home) == job_home / "step_00000020.pt"
 
 
 def test_a_fetch_into_a_disk_with_too_little_room_names_the_folder_and_the_room_not_the_store(
