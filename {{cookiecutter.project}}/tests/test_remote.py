@@ -920,6 +920,31 @@ def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) 
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
 
 
+def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path):
+    """Emptied while the claim is held and the mirror not yet built (a fetch, the run's set-up): the
+    mirror, built with the old list, hears of the claim's remake when it starts."""
+    remote, s3 = bucket
+    bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
+    home = tmp_path / "home"
+    with held(home, remote, None) as run:
+        mirror = run.mirroring(home, keep_last=3)
+        for step in (10, 20):
+            save(mirror, home, step, keep_last=3)
+        mirror.settle(30)
+    with held(home, remote, "auto", lease_s=1.5) as run:  # renewed every 0.5 s
+        with run.claimed._lock:
+            for found in s3.list_objects_v2(Bucket=bucket_name).get("Contents", []):
+                s3.delete_object(Bucket=bucket_name, Key=found["Key"])
+        deadline = time.monotonic() + 30
+        while "claim.json" not in keys(s3, remote):  # made again by a renewal, before anyone listens
+            assert time.monotonic() < deadline, "the claim was not made again within 30 s"
+            time.sleep(0.05)
+        run.mirroring(home, keep_last=3)
+        while manifests(s3, remote) != {"committed/step_00000010.json", "committed/step_00000020.json"}:
+            assert time.monotonic() < deadline, f"not uploaded again within 30 s: {keys(s3, remote)}"
+            time.sleep(0.05)
+
+
 @pytest.mark.parametrize("lease_s", [7200, "60"])
 def test_a_claim_this_project_cannot_read_is_held_for_the_longest_lease_and_never_taken_over_silently(
     bucket, tmp_path, lease_s

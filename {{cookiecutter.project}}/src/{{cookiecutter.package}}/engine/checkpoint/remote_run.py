@@ -48,7 +48,7 @@ class RemoteRun:
         leg = self.claimed.leg if self.claimed is not None else ""
         self.mirror = Mirror(self.store, self.run, home, keep_last, leg, self.known, fence)
         if self.claimed is not None:  # a claim gone from the store: what else did it lose?
-            self.claimed.remade = self.mirror.recheck
+            self.claimed.listen(self.mirror.recheck)
         return self.mirror
 
     def settle(self) -> None:
