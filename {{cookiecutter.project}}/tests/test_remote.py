@@ -688,6 +688,34 @@ def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothi
     assert list(small_disk.iterdir()) == [other]
 
 
+def test_a_disk_full_for_a_moment_while_a_fetch_writes_is_named_as_the_disk_not_the_store(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """The write failed for want of room (ENOSPC) that is back once it failed (another writer's
+    temporary file gone): the line says the disk's room, not the store's failure."""
+    url = mirrored(remote, tmp_path / "home", floats=2**16)  # 256 KiB a checkpoint
+    home, other = small_disk / RUN, small_disk / "another-writers-temporary-file"
+    real_get_file = Store.get_file
+
+    def filled_for_a_moment(store, key, local, size):
+        with open(other, "wb") as file:
+            file.write(bytes(shutil.disk_usage(small_disk).free - 64 * 1024))  # 64 KiB left
+        try:
+            real_get_file(store, key, local, size)
+        finally:
+            other.unlink()
+
+    monkeypatch.setattr(Store, "get_file", filled_for_a_moment)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    said = str(refused.value)
+    assert said.startswith(f"cannot fetch {url}/{RUN}/step_00000030.pt into {home}: it takes 25"), said
+    assert said.endswith(
+        "free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
+    )
+    assert list(small_disk.iterdir()) == []
+
+
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     run = tmp_path / "mounted" / RUN

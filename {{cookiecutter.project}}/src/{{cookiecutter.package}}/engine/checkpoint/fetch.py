@@ -12,6 +12,7 @@ it (mirror.py), and eval.py's `checkpoint=best` reads it.
 """
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -92,8 +93,8 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
         sync_folder(home)
     except BaseException as error:
         remove(scratch)
-        if isinstance(error, StoreError):  # failed with no room left here (a disk filled meanwhile): the disk's
-            _check_room(total, home, where)
+        if isinstance(error, StoreError) and error.errno == errno.ENOSPC:  # a disk filled meanwhile: the disk's
+            raise _no_room(total, home, where) from None
         raise
     return final
 
@@ -101,12 +102,16 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
 def _check_room(size: int, home: Path, where: str) -> None:
     """Refuses a fetch of `size` bytes into `home` where its disk has less free: the store's call
     would fail on the write, and be taken for the store's failure."""
+    if shutil.disk_usage(home).free < size:
+        raise _no_room(size, home, where)
+
+
+def _no_room(size: int, home: Path, where: str) -> SaveError:
     free = shutil.disk_usage(home).free
-    if free < size:
-        raise SaveError(
-            f"cannot fetch {where} into {home}: it takes {readable(size)}, and the disk there has {readable(free)} "
-            f"free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
-        )
+    return SaveError(
+        f"cannot fetch {where} into {home}: it takes {readable(size)}, and the disk there has {readable(free)} "
+        f"free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
+    )
 
 
 def _check(path: Path, found: dict) -> None:
