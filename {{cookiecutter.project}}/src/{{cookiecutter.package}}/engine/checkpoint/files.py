@@ -150,6 +150,15 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
+def stat_regular(path: Path) -> os.stat_result:
+    """The `os.stat` of `path` (a link followed), refused (NotRegular) where it is no regular file,
+    for a reader that opens it later, as open_regular refuses it."""
+    found = os.stat(path)
+    if not stat.S_ISREG(found.st_mode):
+        raise NotRegular(path, kind(found.st_mode))
+    return found
+
+
 def read_regular(path: Path) -> bytes:
     with open_regular(path) as file:
         return file.read()
