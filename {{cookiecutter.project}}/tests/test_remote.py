@@ -627,8 +627,8 @@ def mirrored(remote: str, home: Path, floats: int) -> str:
 
 
 def test_a_reader_given_a_sweep_jobs_home_fetches_no_other_runs_checkpoints_into_it(remote, tmp_path):
-    """A job's home (`checkpoints/<name>/<its overrides>`) mirrors to `<name>/<its overrides>`; read by
-    `name=<name>`, the plain run's folder `<name>` would fill it with another model."""
+    """A job's home (`checkpoints/<name>/<its overrides>`) mirrors to `<name>/<its overrides>`; read
+    with `name=<name>`, the plain run's folder `<name>` would fill it with another model."""
     store, key = store_of(remote), "optimizer.lr=1e-3"
     for run, step in ((RUN, 10), (f"{RUN}/{key}", 20)):
         mirror = Mirror(store, run, tmp_path / run, keep_last=3, leg="leg-1", known={})
@@ -637,10 +637,9 @@ def test_a_reader_given_a_sweep_jobs_home_fetches_no_other_runs_checkpoints_into
     cfg, job_home = OmegaConf.create({"checkpoint": {"remote": remote}}), tmp_path / "elsewhere" / RUN / key
     with pytest.raises(RunError) as refused:
         remote_run.fetched_to_read(cfg, RUN, job_home)
-    assert str(refused.value).startswith(f"checkpoint.dir={job_home} is not the home of the run {RUN}, ")
-    assert f"read a job's as name={RUN}/{key} " in str(refused.value) and "\n" not in str(refused.value)
-    assert not job_home.exists()
-    assert remote_run.fetched_to_read(cfg, f"{RUN}/{key}", job_home) == job_home / "step_00000020.pt"
+    assert str(refused.value).startswith(f"checkpoint.dir={job_home} is not the home of the run {RUN} (a sweep job")
+    assert f"{store.url}/{RUN} holds another model's checkpoints; " in str(refused.value)
+    assert "\n" not in str(refused.value) and not job_home.exists()
 
 
 def test_a_fetch_into_a_disk_with_too_little_room_names_the_folder_and_the_room_not_the_store(

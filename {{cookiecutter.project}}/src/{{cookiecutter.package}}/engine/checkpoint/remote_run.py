@@ -154,9 +154,9 @@ def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
             return None
         if home.name != name.rpartition("/")[2]:
             raise RunError(
-                f"checkpoint.dir={home} is not the home of the run {name}, whose checkpoints {store.at(name)} holds: "
-                f"a sweep job's home mirrors to {store.at(name)}/<its folder>; read a job's as name={name}/{home.name} "
-                f"(its home is then checkpoints/{name}/{home.name}), or leave checkpoint.dir to its default"
+                f"checkpoint.dir={home} is not the home of the run {name} (a sweep job's, say, which mirrors to "
+                f"{store.at(name)}/<its folder>): {store.at(name)} holds another model's checkpoints; read this home "
+                f"where it is, or pass checkpoint=<a checkpoint's path>, or leave checkpoint.dir to its default"
             )
         home.mkdir(parents=True, exist_ok=True)
         return fetch(store, name, home, known)
