@@ -74,6 +74,7 @@ def store_of(remote: str) -> Store:
         f"s3://AKIAEXAMPLE:{SECRET}@bkt/runs",
         f"s3://AKIAEXAMPLE:x/{SECRET}@bkt/runs",  # an AWS secret key holds '/': no parser finds where it ends
         f"s3://{SECRET}@bkt/runs",
+        f"s3:AKIAEXAMPLE:{SECRET}@bkt/runs",  # no '//': no host part told from the path
         f"s3://bkt/runs?X-Amz-Signature={SECRET}",
         f"az://container/runs?sv=2024&sig={SECRET}",
         f"az://container:{SECRET}@account/runs",

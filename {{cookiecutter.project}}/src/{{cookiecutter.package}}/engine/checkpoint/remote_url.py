@@ -38,6 +38,9 @@ def checked(url: str) -> str:
     scheme = urlsplit(url).scheme.lower()  # ASCII letters only: `ｓ3://` (a fullwidth s) has none
     rest = url[len(scheme) + 1 :] if scheme else ""  # after `<scheme>:`
     host = rest[2:].split("/", 1)[0] if rest.startswith("//") else ""
+    # Where a credential would be: the host part, all that fsspec reads one from (a path may hold ':'
+    # and '@': a time, an address); without `//`, no host part is told from the path: all of it.
+    login = host if rest.startswith("//") else rest
     said = f"{scheme}://..." if scheme and rest.startswith("//") else "..."
     if "::" in url:
         problem = "chains filesystems ('::'), which may carry options and credentials"
@@ -51,10 +54,9 @@ def checked(url: str) -> str:
         problem = "carries a query or fragment (a key or a signature, say)"
     elif scheme == "file" and host.lower() not in LOCAL_HOSTS:
         return _refused(said, "names a host, which a file:// URL cannot reach (file:///<path> is a mounted folder's)")
-    # fsspec reads a credential from the host part only; the path may hold ':' and '@' (a time, an address).
-    elif scheme in PACKAGES and ":" in host:
+    elif scheme in PACKAGES and ":" in login:
         problem = "carries a password"
-    elif scheme in PACKAGES and "@" in host and not (scheme in NAMED_USER and host.count("@") == 1):
+    elif scheme in PACKAGES and "@" in login and not (scheme in NAMED_USER and login.count("@") == 1):
         problem = "carries a user (an access key, say)"
     else:
         return url
