@@ -627,7 +627,7 @@ def mirrored(remote: str, home: Path, floats: int) -> str:
     return store.url
 
 
-def test_a_reader_given_a_sweep_jobs_home_fetches_no_other_runs_checkpoints_into_it(remote, tmp_path):
+def test_a_reader_given_a_sweep_jobs_home_fetches_the_jobs_checkpoints_not_the_runs(remote, tmp_path):
     """A job's home (`checkpoints/<name>/<its overrides>`) mirrors to `<name>/<its overrides>`; read
     with `name=<name>`, the plain run's folder `<name>` would fill it with another model."""
     store, key = store_of(remote), "optimizer.lr=1e-3"
@@ -635,12 +635,11 @@ def test_a_reader_given_a_sweep_jobs_home_fetches_no_other_runs_checkpoints_into
         mirror = Mirror(store, run, tmp_path / run, keep_last=3, leg="leg-1", known={})
         save(mirror, tmp_path / run, step, keep_last=3)
         mirror.settle(30)
-    cfg, job_home = OmegaConf.create({"checkpoint": {"remote": remote}}), tmp_path / "elsewhere" / RUN / key
-    with pytest.raises(RunError) as refused:
-        remote_run.fetched_to_read(cfg, RUN, job_home)
-    assert str(refused.value).startswith(f"checkpoint.dir={job_home} is not the home of the run {RUN} (a sweep job")
-    assert f"{store.url}/{RUN} holds another model's checkpoints; " in str(refused.value)
-    assert "\n" not in str(refused.value) and not job_home.exists()
+    cfg, elsewhere = OmegaConf.create({"checkpoint": {"remote": remote}}), tmp_path / "elsewhere"
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere / RUN / key) == elsewhere / RUN / key / "step_00000020.pt"
+    assert sorted(path.name for path in (elsewhere / RUN).glob("step_*")) == []  # the run's own: not fetched
+    # A plain run's home of another name (checkpoint.dir=<a folder>) reads the run's.
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere / "mine") == elsewhere / "mine" / "step_00000010.pt"
 
 
 def test_a_fetch_into_a_disk_with_too_little_room_names_the_folder_and_the_room_not_the_store(

@@ -94,7 +94,7 @@ def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
             f"folder (step_<N>/, committed/, set-aside-*/), which would take this run's objects for its own; give the "
             f"run another name"
         )
-    store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg, swept)
+    store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg.name, Path(settings.dir), swept)
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
             f"checkpoint.remote={store.url} holds the run's home {home}, or lies in it: give a folder elsewhere (the "
@@ -143,32 +143,29 @@ def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
     """For eval.py and export.py (`name=`, `checkpoint=last|best`): the newest valid checkpoint of
     the run `name` from `checkpoint.remote` into its `home`, where that holds none; with the run's
     ranking, `best` and account. Without a claim: a reader writes only files renamed into place
-    whole. None: no remote, a home with checkpoints, or none remote that checks. Refused in one
-    line: a home that is not the run's own (a sweep job's), whose remote folder is not `name`'s."""
+    whole. None: no remote, a home with checkpoints, or none remote that checks. A sweep job's home
+    (`checkpoint.dir=checkpoints/<name>/<its folder>`) reads the job's remote folder, not the run's."""
     if cfg.checkpoint.get("remote") is None or steps(home):
         return None
     store = Store(cfg.checkpoint.remote)
     try:
-        known = manifest.committed(store, name)
+        job = folder_of(name, home, swept=True)
+        swept = home.name != name.rpartition("/")[2] and bool(manifest.committed(store, job))
+        folder = folder_of(name, home, swept)
+        known = manifest.committed(store, folder)
         if not known:  # a name no run has (a typo): no empty home left behind
             return None
-        if home.name != name.rpartition("/")[2]:
-            raise RunError(
-                f"checkpoint.dir={home} is not the home of the run {name} (a sweep job's, say, which mirrors to "
-                f"{store.at(name)}/<its folder>): {store.at(name)} holds another model's checkpoints; read this home "
-                f"where it is, or pass checkpoint=<a checkpoint's path>, or leave checkpoint.dir to its default"
-            )
         home.mkdir(parents=True, exist_ok=True)
-        return fetch(store, name, home, known)
+        return fetch(store, folder, home, known)
     except StoreError as error:
         raise RunError(f"checkpoint.remote: {error}; check the store and its credentials, then run again") from None
 
 
-def folder_of(cfg: DictConfig, swept: bool) -> str:
-    """The run's folder under checkpoint.remote, named as its home is under checkpoints/: `<name>`,
-    and a sweep job's (`swept`) `<name>/<its folder>` (sweeps.Job: its overrides), so that no two
-    jobs share one."""
-    return f"{cfg.name}/{Path(cfg.checkpoint.dir).name}" if swept else cfg.name
+def folder_of(name: str, home: Path, swept: bool) -> str:
+    """The folder under checkpoint.remote of the run `name` whose home is `home`, named as its home
+    is under checkpoints/: `<name>`, and a sweep job's (`swept`) `<name>/<its home's folder>`
+    (sweeps.Job: its overrides), so that no two jobs share one."""
+    return f"{name}/{home.name}" if swept else name
 
 
 def _owned(key: str) -> bool:
