@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
+from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
@@ -24,6 +25,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    refuse_typed(sys.argv)  # first: Hydra prints an override it cannot parse, a secret with it
     before_hydra(__file__)
     typed = list(sys.argv)
     tracking.start_sender()

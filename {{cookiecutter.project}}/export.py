@@ -6,6 +6,7 @@ import sys
 
 import hydra
 
+from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 from {{cookiecutter.package}}.engine.saved_model import take
 
@@ -18,6 +19,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    refuse_typed(sys.argv)  # first: Hydra prints an override it cannot parse, a secret with it
     before_hydra(__file__)
     asked = take(sys.argv, checkpoint="best", out="model.safetensors", dtype="fp32")
     main()

@@ -7,10 +7,12 @@ began = time.time() - time.process_time()  # first: when this interpreter starte
 # ruff: noqa: E402
 import atexit
 import gc
+import sys
 
 import hydra
 
 from {{cookiecutter.package}}.engine import goodput, standby, tracking
+from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
 
 
@@ -28,6 +30,7 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     goodput.interpreter_started(began)
+    refuse_typed(sys.argv)  # first: Hydra prints an override it cannot parse, a secret with it
     before_hydra(__file__)
     tracking.start_sender()
     # The last thing at exit: whatever is alive then lives to the end, so the interpreter's shutdown

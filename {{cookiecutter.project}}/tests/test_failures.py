@@ -247,9 +247,9 @@ def test_a_disk_with_less_room_than_one_checkpoint_stops_the_run_before_its_firs
         recipe.train(cfg)
     kib = [f"{size / 1024:.4g} KiB" for size in (free, weights + moments, weights, moments)]
     assert str(raised.value) == (
-        f"{checkpoint_dir} has {kib[0]} free, less than one checkpoint of this run takes (about {kib[1]}: {kib[2]} "
-        f"of model, {kib[3]} of optimizer state); free space there, or choose a folder with room with "
-        f"checkpoint.dir=<path>"
+        f"{checkpoint_dir} cannot hold one checkpoint of this run ({kib[2]} of model, {kib[3]} of optimizer state): "
+        f"it takes {kib[1]}, and the disk there has {kib[0]} free; free space there, or choose a folder with room "
+        f"with checkpoint.dir=<path>, then run again"
     )
     assert not checkpoint_dir.exists()
 

@@ -74,6 +74,7 @@ def store_of(remote: str) -> Store:
         f"s3://AKIAEXAMPLE:{SECRET}@bkt/runs",
         f"s3://AKIAEXAMPLE:x/{SECRET}@bkt/runs",  # an AWS secret key holds '/': no parser finds where it ends
         f"s3://{SECRET}@bkt/runs",
+        f"s3:AKIAEXAMPLE:{SECRET}@bkt/runs",  # no '//': no host part told from the path
         f"s3://bkt/runs?X-Amz-Signature={SECRET}",
         f"az://container/runs?sv=2024&sig={SECRET}",
         f"az://container:{SECRET}@account/runs",
@@ -102,6 +103,9 @@ def test_a_url_that_carries_a_credential_is_refused_in_one_line_that_does_not_re
         "s3://bkt/runs",
         "gs://bkt/runs",
         "az://container@account/runs",
+        "s3://bkt/runs/2024-06-01T12:00",  # ':' and '@' in the path are a folder's name, no credential
+        "s3://bkt/team@example.com/runs",
+        "az://container@account/team@example.com/runs",
         "/mnt/shared/runs",
         "/mnt/shared/v1:runs@2024",
         "file:///mnt/runs",
@@ -159,8 +163,15 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
         ["run.py", "-m", f"checkpoint.remote=s3://bkt/a,s3://bkt/b#{SECRET}"],
         ["run.py", f"checkpoint.remote=simplecache::s3://bkt/runs::AKIAEXAMPLE:{SECRET}"],
         ["run.py", f"checkpoint.remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs", "--cfg", "job"],  # Hydra would print it
+        # The key as Hydra may also read it: each of these, not refused, reached Hydra and was printed whole.
+        ["run.py", f"checkpoint.remote@_global_=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["run.py", f"checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["eval.py", "checkpoint=last", f"++checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["export.py", "checkpoint=last", f"+checkpoint.remote@pkg=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["run.py", f"~checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
     ],
-    ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"],
+    ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"]
+    + ["package", "slash", "plus-slash", "plus-package", "tilde-slash"],
 )
 def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(project, command):
     script, *overrides = command
@@ -427,7 +438,7 @@ def test_a_new_machine_fetches_the_newest_checkpoint_that_checks_and_the_runs_ac
 def held(home: Path, remote: str, resume: str | None, wait_s: float = 5, lease_s: float = 60):
     """remote_run.held, as the recipe enters it, for a run of `home` and `remote`."""
     settings = {"dir": str(home), "remote": remote, "remote_wait_s": wait_s, "remote_lease_s": lease_s}
-    return remote_run.held(OmegaConf.create({"name": RUN, "resume": resume, "checkpoint": settings}))
+    return remote_run.held(OmegaConf.create({"name": RUN, "resume": resume, "checkpoint": settings}), swept=False)
 
 
 def test_a_machine_back_with_a_home_older_than_the_remote_continues_from_the_remote(remote, tmp_path):
@@ -492,7 +503,7 @@ def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_i
 def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
     settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
     config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
-    with pytest.raises(RunError) as refused, remote_run.held(config):
+    with pytest.raises(RunError) as refused, remote_run.held(config, swept=False):
         pass
     part = name.split("/")[1]
     assert str(refused.value) == (
@@ -616,6 +627,21 @@ def mirrored(remote: str, home: Path, floats: int) -> str:
     return store.url
 
 
+def test_a_reader_given_a_sweep_jobs_home_fetches_the_jobs_checkpoints_not_the_runs(remote, tmp_path):
+    """A job's home (`checkpoints/<name>/<its overrides>`) mirrors to `<name>/<its overrides>`; read
+    with `name=<name>`, the plain run's folder `<name>` would fill it with another model."""
+    store, key = store_of(remote), "optimizer.lr=1e-3"
+    for run, step in ((RUN, 10), (f"{RUN}/{key}", 20)):
+        mirror = Mirror(store, run, tmp_path / run, keep_last=3, leg="leg-1", known={})
+        save(mirror, tmp_path / run, step, keep_last=3)
+        mirror.settle(30)
+    cfg, elsewhere = OmegaConf.create({"checkpoint": {"remote": remote}}), tmp_path / "elsewhere"
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere / RUN / key) == elsewhere / RUN / key / "step_00000020.pt"
+    assert sorted(path.name for path in (elsewhere / RUN).glob("step_*")) == []  # the run's own: not fetched
+    # A plain run's home of another name (checkpoint.dir=<a folder>) reads the run's.
+    assert remote_run.fetched_to_read(cfg, RUN, elsewhere / "mine") == elsewhere / "mine" / "step_00000010.pt"
+
+
 def test_a_fetch_into_a_disk_with_too_little_room_names_the_folder_and_the_room_not_the_store(
     remote, tmp_path, small_disk
 ):
@@ -659,6 +685,34 @@ def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothi
         said,
     ), said
     assert list(small_disk.iterdir()) == [other]
+
+
+def test_a_disk_full_for_a_moment_while_a_fetch_writes_is_named_as_the_disk_not_the_store(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """The write failed for want of room (ENOSPC) that is back once it failed (another writer's
+    temporary file gone): the line says the disk's room, not the store's failure."""
+    url = mirrored(remote, tmp_path / "home", floats=2**16)  # 256 KiB a checkpoint
+    home, other = small_disk / RUN, small_disk / "another-writers-temporary-file"
+    real_get_file = Store.get_file
+
+    def filled_for_a_moment(store, key, local, size):
+        with open(other, "wb") as file:
+            file.write(bytes(shutil.disk_usage(small_disk).free - 64 * 1024))  # 64 KiB left
+        try:
+            real_get_file(store, key, local, size)
+        finally:
+            other.unlink()
+
+    monkeypatch.setattr(Store, "get_file", filled_for_a_moment)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    said = str(refused.value)
+    assert said.startswith(f"cannot fetch {url}/{RUN}/step_00000030.pt into {home}: it takes 25"), said
+    assert said.endswith(
+        "free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
+    )
+    assert list(small_disk.iterdir()) == []
 
 
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
@@ -891,6 +945,31 @@ def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) 
     other = {"holder": f"PID 1 on {host}", "pid": 1, "host": host, "home": "/b", "leg": "b", "started": ""}
     other |= {"lease_s": lease_s, "released": False, "renewals": 0, **changes}
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
+
+
+def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path):
+    """Emptied while the claim is held and the mirror not yet built (a fetch, the run's set-up): the
+    mirror, built with the old list, hears of the claim's remake when it starts."""
+    remote, s3 = bucket
+    bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
+    home = tmp_path / "home"
+    with held(home, remote, None) as run:
+        mirror = run.mirroring(home, keep_last=3)
+        for step in (10, 20):
+            save(mirror, home, step, keep_last=3)
+        mirror.settle(30)
+    with held(home, remote, "auto", lease_s=1.5) as run:  # renewed every 0.5 s
+        with run.claimed._lock:
+            for found in s3.list_objects_v2(Bucket=bucket_name).get("Contents", []):
+                s3.delete_object(Bucket=bucket_name, Key=found["Key"])
+        deadline = time.monotonic() + 30
+        while "claim.json" not in keys(s3, remote):  # made again by a renewal, before anyone listens
+            assert time.monotonic() < deadline, "the claim was not made again within 30 s"
+            time.sleep(0.05)
+        run.mirroring(home, keep_last=3)
+        while manifests(s3, remote) != {"committed/step_00000010.json", "committed/step_00000020.json"}:
+            assert time.monotonic() < deadline, f"not uploaded again within 30 s: {keys(s3, remote)}"
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("lease_s", [7200, "60"])

@@ -27,7 +27,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import components
-from .checkpoint.remote_url import refuse_typed
 from .errors import RunError, reported, typed
 
 
@@ -211,10 +210,9 @@ SCHEMA = "config_schema"  # engine.yaml's first default: the dataclasses above, 
 
 def before_hydra(script: str) -> None:
     """What a command (run.py, eval.py, export.py: `script` is its __file__) checks before Hydra
-    reads its command line and composes its config from the configs/ beside it, each said in one
-    line, exit 2: a checkpoint.remote typed with a secret (refuse_typed: before Hydra prints what it
-    cannot parse), then that folder's roots (check_roots)."""
-    refuse_typed(sys.argv)
+    composes its config from the configs/ beside it, said in one line, exit 2: that folder's roots
+    (check_roots). The command calls checkpoint.remote_url.refuse_typed first, before Hydra prints
+    what it cannot parse."""
     reported(lambda: check_roots(Path(script).with_name("configs"), sys.argv[1:]))
 
 

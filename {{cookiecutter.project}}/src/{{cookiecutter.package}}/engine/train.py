@@ -63,7 +63,7 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
     # A standby leg, started warm beside the leg that trains, waits here for that leg to end.
     # checkpoint.remote, held (and an empty home filled from it) by the command line's settings, before a resume's.
-    with standby.taking_over(cfg, said) as took_over, remote_run.held(cfg) as remote:
+    with standby.taking_over(cfg, said) as took_over, remote_run.held(cfg, current_job() is not None) as remote:
         # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
         cfg = resumed(cfg, said)
         check_values(cfg)

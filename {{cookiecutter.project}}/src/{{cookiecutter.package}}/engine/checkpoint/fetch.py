@@ -12,16 +12,17 @@ it (mirror.py), and eval.py's `checkpoint=best` reads it.
 """
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
-from ..errors import CheckpointError, SaveError, readable
+from ..errors import CheckpointError
 from ..goodput import LEDGER as GOODPUT
 from . import manifest, onefile, schema
-from .files import remove, sync_folder, temporary, write_atomically
+from .files import check_room, no_room, remove, sync_folder, temporary, write_atomically
 from .home import BEST, NAME, POINTER, SCORES
 from .remote import Store, StoreError
 
@@ -76,7 +77,7 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
     final = home / name
     scratch = temporary(final)
     total, where = sum(found["files"].values()), store.at(f"{run}/{name}")
-    _check_room(total, home, where)
+    check_room(shutil.disk_usage(home).free, total, f"cannot fetch {where} into {home}")
     try:
         if found["kind"] == "folder":
             scratch.mkdir()
@@ -92,21 +93,10 @@ def _download(store: Store, run: str, found: dict, home: Path) -> Path:
         sync_folder(home)
     except BaseException as error:
         remove(scratch)
-        if isinstance(error, StoreError):  # failed with no room left here (a disk filled meanwhile): the disk's
-            _check_room(total, home, where)
+        if isinstance(error, StoreError) and error.errno == errno.ENOSPC:  # a disk filled meanwhile: the disk's
+            raise no_room(shutil.disk_usage(home).free, total, f"cannot fetch {where} into {home}") from None
         raise
     return final
-
-
-def _check_room(size: int, home: Path, where: str) -> None:
-    """Refuses a fetch of `size` bytes into `home` where its disk has less free: the store's call
-    would fail on the write, and be taken for the store's failure."""
-    free = shutil.disk_usage(home).free
-    if free < size:
-        raise SaveError(
-            f"cannot fetch {where} into {home}: it takes {readable(size)}, and the disk there has {readable(free)} "
-            f"free; free space there, or choose a folder with room with checkpoint.dir=<path>, then run again"
-        )
 
 
 def _check(path: Path, found: dict) -> None:

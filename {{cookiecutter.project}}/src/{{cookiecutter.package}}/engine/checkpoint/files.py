@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import crc32c
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SaveError, readable
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,15 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
+def stat_regular(path: Path) -> os.stat_result:
+    """The `os.stat` of `path` (a link followed), refused (NotRegular) where it is no regular file,
+    for a reader that opens it later, as open_regular refuses it."""
+    found = os.stat(path)
+    if not stat.S_ISREG(found.st_mode):
+        raise NotRegular(path, kind(found.st_mode))
+    return found
+
+
 def read_regular(path: Path) -> bytes:
     with open_regular(path) as file:
         return file.read()
@@ -256,3 +265,19 @@ def load_restricted(source: Path | BinaryIO, name: object, device: str = "cpu") 
     except (RuntimeError, EOFError, OSError, ValueError, UnicodeDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{name} is unreadable ({reason}); it may be truncated or not a checkpoint") from None
+
+
+def check_room(free: int, size: int, what: str) -> None:
+    """Refuses `what` (writing `size` bytes, said as what goes where) where the disk has `free`
+    bytes free, before its first byte: a write that fails midway is learnt late (at a run's last
+    save) or taken for another failure (a store's)."""
+    if free < size:
+        raise no_room(free, size, what)
+
+
+def no_room(free: int, size: int, what: str) -> SaveError:
+    """The line that refuses `what` for want of room: what it takes, what there is, what to do."""
+    return SaveError(
+        f"{what}: it takes {readable(size)}, and the disk there has {readable(free)} free; free space there, or "
+        f"choose a folder with room with checkpoint.dir=<path>, then run again"
+    )

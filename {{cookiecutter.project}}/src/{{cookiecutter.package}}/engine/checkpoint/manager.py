@@ -25,6 +25,7 @@ from ..provenance import library_versions
 from ..strategies import Single
 from . import compatibility, initial, onefile
 from .background import Snapshot, Writer
+from .files import check_room
 from .home import best_of, path_of, rank, set_aside_newer, step_of
 from .resume import find, found_by_main
 from .schema import FORMAT_VERSION, LATER_PARTS, SHARDED_PARTS, Checkpoint
@@ -216,13 +217,8 @@ class Checkpointer:
         # The home is rank 0's, claimed before this (or, built without a claim, to be made in the nearest folder there is).
         there = next(folder for folder in (self.home, *self.home.parents) if folder.is_dir())
         free = self.world.on_main(lambda: shutil.disk_usage(there).free)
-        if free < weights + moments:
-            needed, model_part, optimizer_part = map(readable, (weights + moments, weights, moments))
-            raise RunError(
-                f"{self.home} has {readable(free)} free, less than one checkpoint of this run takes (about {needed}: "
-                f"{model_part} of model, {optimizer_part} of optimizer state); free space there, or choose a folder "
-                f"with room with checkpoint.dir=<path>"
-            )
+        parts = f"{readable(weights)} of model, {readable(moments)} of optimizer state"
+        check_room(free, weights + moments, f"{self.home} cannot hold one checkpoint of this run ({parts})")
 
     def kept(self, which: str) -> list[dict]:
         """The checkpoints `mlflow.log_models` names (best, final, both, none), once the last save is

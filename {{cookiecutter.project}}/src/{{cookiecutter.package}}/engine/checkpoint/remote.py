@@ -47,11 +47,12 @@ PASSING = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", 
 
 class StoreError(Exception):
     """A store call that failed, said in one line without the URL's secrets (it holds none).
-    `transient`: the store did not answer, or answered that a retry may succeed."""
+    `transient`: the store did not answer, or answered that a retry may succeed. `errno`: that of
+    the OSError behind it, if one was (ENOSPC: a download's write found the local disk full)."""
 
-    def __init__(self, reason: str, transient: bool) -> None:
+    def __init__(self, reason: str, transient: bool, errno: int | None = None) -> None:
         super().__init__(reason)
-        self.transient = transient
+        self.transient, self.errno = transient, errno
 
 
 class Conflict(StoreError):
@@ -296,7 +297,7 @@ class Store:
         if isinstance(error, StoreError | FileNotFoundError):
             raise error
         if isinstance(error, OSError):
-            raise StoreError(f"{self.at(key)}: {error.strerror or error}", transient=True) from None
+            raise StoreError(f"{self.at(key)}: {error.strerror or error}", transient=True, errno=error.errno) from None
         raise error
 
 
@@ -351,4 +352,8 @@ def _failure(error: Exception, where: str, timeout: float) -> StoreError:
         return StoreError(f"{where}: access denied", transient=False)
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     # botocore's NoCredentialsError, PartialCredentialsError: a person must give them
-    return StoreError(f"{where}: {type(error).__name__}: {reason}", transient="Credentials" not in type(error).__name__)
+    return StoreError(
+        f"{where}: {type(error).__name__}: {reason}",
+        transient="Credentials" not in type(error).__name__,
+        errno=error.errno if isinstance(error, OSError) else None,
+    )

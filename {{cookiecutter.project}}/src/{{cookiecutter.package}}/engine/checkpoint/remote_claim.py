@@ -66,9 +66,8 @@ class RemoteClaim:
         self._lock = threading.Lock()
         self._ended = threading.Event()
         self.lost: str | None = None
-        # Told, in one line, that the claim was gone from the store and is this machine's again: the
-        # mirror (remote_run.py) checks then what else the store lost.
-        self.remade: Callable[[str], None] = log.warning
+        self._listener: Callable[[str], None] | None = None  # told of a remake (listen)
+        self._unheard: str | None = None  # the last remake's line, said before anyone listened
 
     def take(self) -> None:
         """Holds the run's folder, or raises a RunError naming the machine that does."""
@@ -150,14 +149,26 @@ class RemoteClaim:
             except Conflict:
                 self._lose()
 
+    def listen(self, listener: Callable[[str], None]) -> None:
+        """`listener` told, in one line, each time the claim was gone from the store and is this
+        machine's again (the mirror, remote_run.py, checks then what else the store lost); at once
+        where that happened before it listened: the renewals run from `take`, through a fetch."""
+        with self._lock:
+            self._listener, unheard, self._unheard = listener, self._unheard, None
+        if unheard is not None:
+            listener(unheard)
+
     def _take_again(self, body: bytes) -> None:
         try:
             self._etag = self.store.put_bytes(self.key, body, create=True)
         except Conflict:
             self._lose()
-        self.remade(
-            f"the claim on {self.at} was gone from the store (deleted, or the store emptied): this machine holds it again"
-        )
+        said = f"the claim on {self.at} was gone from the store (deleted, or the store emptied): this machine holds it again"
+        if self._listener is not None:
+            self._listener(said)
+        else:
+            log.warning(said)
+            self._unheard = said
 
     def _lose(self) -> None:
         """Raises Lost, naming the claim's holder, unless the claim is this machine's write whose

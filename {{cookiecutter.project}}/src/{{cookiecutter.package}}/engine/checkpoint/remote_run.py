@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 
 from .. import distributed
 from ..errors import RunError
-from ..sweeps import current_job
 from . import manifest
 from .claim import claim
 from .fetch import fetch
@@ -49,7 +48,7 @@ class RemoteRun:
         leg = self.claimed.leg if self.claimed is not None else ""
         self.mirror = Mirror(self.store, self.run, home, keep_last, leg, self.known, fence)
         if self.claimed is not None:  # a claim gone from the store: what else did it lose?
-            self.claimed.remade = self.mirror.recheck
+            self.claimed.listen(self.mirror.recheck)
         return self.mirror
 
     def settle(self) -> None:
@@ -60,13 +59,13 @@ class RemoteRun:
 
 
 @contextlib.contextmanager
-def held(cfg: DictConfig) -> Iterator[RemoteRun | None]:
+def held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun | None]:
     """`checkpoint.remote`, held for the block by the launch's first process (None on the others and
     without one), which fetches its newest checkpoint into a home that has none, or an older one,
     while the other processes wait: none reads the home before it is filled. Refused in one line,
     on every process: a URL that is no store's folder or carries a secret, a store that does not
     answer or refuses, a run another machine holds, a fresh run over the run's remote checkpoints,
-    and `resume=last` with none here or there."""
+    and `resume=last` with none here or there. `swept`: the run is a sweep's job (folder_of)."""
     if cfg.checkpoint.get("remote") is None:
         yield None
         return
@@ -74,13 +73,13 @@ def held(cfg: DictConfig) -> Iterator[RemoteRun | None]:
         if done is None:
             yield None
             return
-        with _held(cfg) as remote:
+        with _held(cfg, swept) as remote:
             done()
             yield remote
 
 
 @contextlib.contextmanager
-def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
+def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
     settings = cfg.checkpoint
     if settings.remote_wait_s < 0 or not 0 < settings.remote_lease_s <= MOST_LEASE_S:
         raise RunError(
@@ -95,7 +94,7 @@ def _held(cfg: DictConfig) -> Iterator[RemoteRun]:
             f"folder (step_<N>/, committed/, set-aside-*/), which would take this run's objects for its own; give the "
             f"run another name"
         )
-    store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg)
+    store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg.name, Path(settings.dir), swept)
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
             f"checkpoint.remote={store.url} holds the run's home {home}, or lies in it: give a folder elsewhere (the "
@@ -144,24 +143,29 @@ def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
     """For eval.py and export.py (`name=`, `checkpoint=last|best`): the newest valid checkpoint of
     the run `name` from `checkpoint.remote` into its `home`, where that holds none; with the run's
     ranking, `best` and account. Without a claim: a reader writes only files renamed into place
-    whole. None: no remote, a home with checkpoints, or none remote that checks."""
+    whole. None: no remote, a home with checkpoints, or none remote that checks. A sweep job's home
+    (`checkpoint.dir=checkpoints/<name>/<its folder>`) reads the job's remote folder, not the run's."""
     if cfg.checkpoint.get("remote") is None or steps(home):
         return None
     store = Store(cfg.checkpoint.remote)
     try:
-        known = manifest.committed(store, name)
+        job = folder_of(name, home, swept=True)
+        swept = home.name != name.rpartition("/")[2] and bool(manifest.committed(store, job))
+        folder = folder_of(name, home, swept)
+        known = manifest.committed(store, folder)
         if not known:  # a name no run has (a typo): no empty home left behind
             return None
         home.mkdir(parents=True, exist_ok=True)
-        return fetch(store, name, home, known)
+        return fetch(store, folder, home, known)
     except StoreError as error:
         raise RunError(f"checkpoint.remote: {error}; check the store and its credentials, then run again") from None
 
 
-def folder_of(cfg: DictConfig) -> str:
-    """The run's folder under checkpoint.remote, named as its home is under checkpoints/: `<name>`,
-    and a sweep job's `<name>/<its folder>` (sweeps.Job: its overrides), so that no two jobs share one."""
-    return cfg.name if current_job() is None else f"{cfg.name}/{Path(cfg.checkpoint.dir).name}"
+def folder_of(name: str, home: Path, swept: bool) -> str:
+    """The folder under checkpoint.remote of the run `name` whose home is `home`, named as its home
+    is under checkpoints/: `<name>`, and a sweep job's (`swept`) `<name>/<its home's folder>`
+    (sweeps.Job: its overrides), so that no two jobs share one."""
+    return f"{name}/{home.name}" if swept else name
 
 
 def _owned(key: str) -> bool:

@@ -38,6 +38,9 @@ def checked(url: str) -> str:
     scheme = urlsplit(url).scheme.lower()  # ASCII letters only: `ｓ3://` (a fullwidth s) has none
     rest = url[len(scheme) + 1 :] if scheme else ""  # after `<scheme>:`
     host = rest[2:].split("/", 1)[0] if rest.startswith("//") else ""
+    # Where a credential would be: the host part, all that fsspec reads one from (a path may hold ':'
+    # and '@': a time, an address); without `//`, no host part is told from the path: all of it.
+    login = host if rest.startswith("//") else rest
     said = f"{scheme}://..." if scheme and rest.startswith("//") else "..."
     if "::" in url:
         problem = "chains filesystems ('::'), which may carry options and credentials"
@@ -51,9 +54,9 @@ def checked(url: str) -> str:
         problem = "carries a query or fragment (a key or a signature, say)"
     elif scheme == "file" and host.lower() not in LOCAL_HOSTS:
         return _refused(said, "names a host, which a file:// URL cannot reach (file:///<path> is a mounted folder's)")
-    elif scheme in PACKAGES and ":" in rest:
+    elif scheme in PACKAGES and ":" in login:
         problem = "carries a password"
-    elif scheme in PACKAGES and "@" in rest and not (scheme in NAMED_USER and rest.count("@") == host.count("@") == 1):
+    elif scheme in PACKAGES and "@" in login and not (scheme in NAMED_USER and login.count("@") == 1):
         problem = "carries a user (an access key, say)"
     else:
         return url
@@ -106,7 +109,7 @@ def _given(overrides: Iterable[str]) -> Iterator[str]:
     """The values that `overrides` give `checkpoint.remote`, as Hydra parses them (each of a
     sweep's); where Hydra cannot parse one, the whole text after its `=`, judged as one."""
     for override in overrides:
-        if override.partition("=")[0].lstrip("+~") != KEY:
+        if _key(override.partition("=")[0]) != KEY:
             continue
         try:
             parsed = OverridesParser.create().parse_override(override)
@@ -114,6 +117,12 @@ def _given(overrides: Iterable[str]) -> Iterator[str]:
             yield override.partition("=")[2]
             continue
         yield from _strings(parsed.value())  # a deletion's too: `.hydra/overrides.yaml` holds it
+
+
+def _key(typed: str) -> str:
+    """The setting an override's key names, as Hydra may read it: `+`, `++` and `~` before it, a
+    package after `@` (`checkpoint.remote@_global_`) and `/` for `.` (`checkpoint/remote`) left out."""
+    return typed.lstrip("+~").partition("@")[0].replace("/", ".")
 
 
 def _strings(value: object) -> Iterator[str]:

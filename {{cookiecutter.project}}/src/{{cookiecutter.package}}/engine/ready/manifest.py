@@ -16,13 +16,12 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, get_type_hints
 
-from ..checkpoint.files import kind, open_regular
+from ..checkpoint.files import NotRegular, open_regular, stat_regular
 from ..data import DataError
 
 log = logging.getLogger(__name__)
@@ -107,10 +106,10 @@ def matched(folder: Path, name: str, shards: list[Shard], present: list[str], fi
 def regular(path: Path, fix: str) -> os.stat_result:
     """The `os.stat` of the shard `path`; refused in one line, with `fix`, where it is no regular file:
     reading a FIFO waits for a writer that may never come, and a device never ends."""
-    found = os.stat(path)
-    if not stat.S_ISREG(found.st_mode):
-        raise DataError(f"{path} is {kind(found.st_mode)}, not a file; {fix}")
-    return found
+    try:
+        return stat_regular(path)
+    except NotRegular as refused:
+        raise DataError(f"{path} is {refused.what}, not a file; {fix}") from None
 
 
 def fingerprint(shards: list[Any]) -> str:
