@@ -1,7 +1,7 @@
 """checkpoint.remote: the run's home mirrored to an object store or a mounted folder, and continued
 from there on a new machine (docs/preemptible-machines.md). The S3 tests run against a real S3 API
 server on localhost (moto's), which s3fs and boto3 speak to as to a cloud store; they are skipped
-where s3fs (the `remote` extra) or moto is not installed (`pip install 'moto[s3]' flask flask-cors`)."""
+where s3fs (the `remote` extra) or moto is not installed (`pip install -e '.[remote,s3-server]'`)."""
 
 import contextlib
 import json
