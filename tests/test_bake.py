@@ -1,6 +1,7 @@
 """Every answer combination bakes a project that parses, loads and does what was asked."""
 
 import ast
+import importlib.metadata
 import itertools
 import json
 import os
@@ -366,6 +367,42 @@ def test_the_dev_extra_holds_no_launcher_and_each_launcher_test_names_the_extra_
         assert LAUNCHERS[module] in extras[extra], f"{module}: the extra {extra} lacks it"
     sweeps = (project / "docs" / "sweeps.md").read_text(encoding="utf-8")
     assert "pip install -e '.[sweeps]'" in sweeps and "pip install -e '.[search]'" in sweeps
+
+
+REQUIREMENT = re.compile(r"([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?")
+
+
+def test_ci_installs_with_the_readmes_commands_and_every_extra_they_ask_for_exists(
+    bake: Bake, tmp_path: Path
+) -> None:
+    """CI's installs (but torch's, which the README leaves to the reader's machine) are the README's
+    commands as typed, of extras the project has; and each package asked for with an extra of its
+    own (`moto[s3]`) has that extra where it is installed here: pip only warns of one that is gone
+    (`s3fs[boto3]`), and installs the package without what the name promised."""
+    project = bake(tmp_path)
+    ci = yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text(encoding="utf-8"))
+    runs = [step.get("run", "") for step in ci["jobs"]["test"]["steps"]]
+    installs = [run for run in runs if run.startswith("pip install") and "torch" not in run]
+    readme = (project / "README.md").read_text(encoding="utf-8")
+    assert installs and [run for run in installs if f"`{run}`" not in readme] == []
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = pyproject["project"]["optional-dependencies"]
+    for run in installs:
+        named = re.fullmatch(r"pip install -e '\.\[([\w,-]+)\]'", run)[1].split(",")
+        assert set(named) <= set(extras), run
+    ours = (TEMPLATE.parent / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
+    for requirement in [*itertools.chain(*extras.values()), *ours]:
+        name, asked = REQUIREMENT.match(requirement.split("#")[0].strip() or "-").groups()
+        if asked and (provided := installed_extras(name)) is not None:
+            assert set(asked.split(",")) <= provided, f"{requirement}: {name} has {provided}"
+
+
+def installed_extras(name: str) -> set[str] | None:
+    """The extras the installed distribution `name` provides; None where it is not installed."""
+    try:
+        return set(importlib.metadata.metadata(name).get_all("Provides-Extra") or [])
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # Imported first in the bake's test processes: the launchers and the sweeper as if not installed.

@@ -5,7 +5,7 @@ median time of a training step while a checkpoint's upload is in flight (the mir
 run has it) against the same steps with nothing uploading (target: within 1.05x), and the time from
 the start of a stop's save to its checkpoint being remote: the save, the upload and the manifest
 (what a SIGTERM waits for, within checkpoint.remote_wait_s). Without `--remote`, the store is moto's
-S3 server on localhost (pip install 'moto[s3]' flask flask-cors 's3fs[boto3]'), which keeps what it
+S3 server on localhost (pip install -e '.[remote,s3-server]'), which keeps what it
 is sent in memory: about 65 MiB/s here, a cloud's bucket from a VM in its region is faster.
 
     python bench/remote_checkpoint.py [--remote s3://<bucket>/<folder> | <path>] [--steps 20]

@@ -402,7 +402,7 @@ def _die_with_parent() -> None:
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """moto's S3 server on a free port of localhost, for the session (one per xdist worker)."""
     pytest.importorskip("s3fs", reason="pip install -e '.[remote]'")
-    pytest.importorskip("moto.server", reason="an S3 server on localhost: pip install 'moto[s3]' flask flask-cors")
+    pytest.importorskip("moto.server", reason="an S3 server on localhost: pip install -e '.[remote,s3-server]'")
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "w") as output:
         process = subprocess.Popen(

@@ -132,6 +132,22 @@ def test_the_mlp_trains_on_arrow_shards_the_same_steps_with_two_workers_as_witho
     assert workers["val/loss"] == alone["val/loss"]
 
 
+@pytest.mark.slow  # a short training
+def test_a_gpt_trains_on_arrow_token_rows_with_its_vocab_and_block_size_from_the_data(make_cfg, client, tmp_path):
+    rows = numpy.random.default_rng(0).integers(0, 50, (60, 17))
+    targets = rows[:, 1:].copy()
+    targets[::2, -1] = -100  # padding, which cross-entropy ignores: no token
+    columns = {"input_ids": pa.array(rows[:, :-1].tolist(), pa.list_(pa.int32())), "labels": targets.tolist()}
+    folder = saved(tmp_path / "tokens", columns)
+    data = arrow_folder(folder, inputs="input_ids", target="labels")
+    assert (data.facts["vocab_size"], data.facts["block_size"]) == (rows.max() + 1, 16)
+    assert "num_classes" not in data.facts  # next tokens, no classes: the model stays a language model
+    gpt = ["data=arrow_folder", "task=next_token", "model=gpt", "metrics=language_model"]
+    columns = ["data.inputs=input_ids", "data.target=labels", "data.batch_size=8", "trainer.max_steps=3"]
+    result = recipe.train(make_cfg(*gpt, *columns, f"data.dir={folder}"))
+    assert sorted(losses(client, result["run_id"])) == [1, 2, 3] and result["val/perplexity"] > 1
+
+
 def rows_of(path):
     return pa.ipc.open_stream(pa.OSFile(str(path))).read_all()  # in memory, not mapped: the file is written over
 

@@ -1,8 +1,9 @@
 """checkpoint.remote: the run's home mirrored to an object store or a mounted folder, and continued
 from there on a new machine (docs/preemptible-machines.md). The S3 tests run against a real S3 API
 server on localhost (moto's), which s3fs and boto3 speak to as to a cloud store; they are skipped
-where s3fs (the `remote` extra) or moto is not installed (`pip install 'moto[s3]' flask flask-cors`)."""
+where s3fs (the `remote` extra) or moto is not installed (`pip install -e '.[remote,s3-server]'`)."""
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SECRET, hold, losses, run_cli, start, wait_for_a_save
+from conftest import SECRET, goodput_of, hold, losses, run_cli, runs_named, start, wait_for_a_save
+from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -1173,6 +1175,45 @@ def test_a_kill_9_mid_upload_leaves_nothing_a_new_machine_picks_and_it_continues
     assert manifests(s3, remote) == {"committed/step_00000010.json", "committed/step_00000015.json"}
     assert "step_00000020.pt" in keys(s3, remote), "an object without a manifest is not this run's to delete"
     assert SECRET not in said
+
+
+@pytest.mark.slow
+def test_the_steps_a_lost_machine_trained_past_its_remote_checkpoint_count_as_trained_again_on_the_next(
+    project, bucket
+):
+    remote, s3 = bucket
+    settings = [f"name={RUN}", "device.cpu_threads=1", f"checkpoint.remote={remote}"]
+    assert run_cli(project, *settings, "trainer.max_steps=10").returncode == 0  # step 10, remote
+    # Continued on the same machine with no save to come: each step it trains past 10 is lost with it.
+    endless = ["trainer.max_steps=1000000", "checkpoint.every_n_steps=1000000", "checkpoint.every_s=null"]
+    machine_a = start(project, *settings, *endless, "resume=auto")
+
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+
+    def reached() -> int:
+        """The step the bucket's goodput account says machine A trained to."""
+        with contextlib.suppress(s3.exceptions.NoSuchKey):
+            account = s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/goodput.json")["Body"].read()
+            return json.loads(account)["legs"][-1]["step"]
+        return 0
+
+    wait_until(lambda: reached() >= 100, machine_a, "an account of steps past the remote checkpoint, uploaded")
+    machine_a.kill()
+    machine_a.communicate()
+    lost = reached()
+    assert manifests(s3, remote) == {"committed/step_00000010.json"}
+
+    machine_b = project / "machine-b"
+    new_machine = [f"trainer.max_steps={lost + 20}", "resume=auto", f"checkpoint.dir={machine_b}"]
+    continued = run_cli(project, *settings, *new_machine)
+    said = continued.stdout + continued.stderr
+    assert continued.returncode == 0 and "resumed at step 10 on cpu" in said, said
+    *_, killed, after = json.loads((machine_b / "goodput.json").read_text())["legs"]
+    assert killed["step"] == lost and after["seconds"]["retrained"] > 0 and after["seconds"]["train"] > 0
+    (run,) = runs_named(MlflowClient(f"sqlite:///{project / 'mlflow.db'}"), RUN)
+    found = goodput_of(run)  # steps 11 to `lost`, trained again: their time on machine B
+    assert found["legs"] == 3 and found["retrained_s"] == pytest.approx(after["seconds"]["retrained"])
+    assert re.search(r"steps trained again [\d.]+ s", said), said
 
 
 @pytest.mark.slow

@@ -19,8 +19,11 @@ a standby's takeover (standby.py).
 
 Rank 0 keeps each leg's account in the home's `goodput.json`, written at its first step, at most
 once a second while it trains, and at its end: a leg killed without warning (kill -9) loses at most
-the last second of its account; a run that ends having saved nothing removes it. A leg reads the
-legs before it there, logs the sums as `goodput/*` metrics at its end, and says them in one line.
+the last second of its account; a run that ends having saved nothing removes it. With
+checkpoint.remote the account is mirrored too, between checkpoints as well (mirror.py): a machine
+lost past its newest remote checkpoint hands the next one the steps it trained, retrained there. A
+leg reads the legs before it there, logs the sums as `goodput/*` metrics at its end, and says them
+in one line.
 The time between two legs (a queue, a machine coming up) is not the run's: it is said, and left
 out. The account keeps its last legs one by one and the earlier ones summed into one, so that its
 size stays bounded however often the run restarts. It is numbers only, read only from the run's

@@ -1,8 +1,11 @@
 """The run's home, mirrored to `checkpoint.remote` by rank 0 in a thread of its own, so that no step
 waits for a store: each checkpoint once it is in its home, newest first, its objects, then its
 manifest (manifest.py), which makes it visible; then `scores.json`, `best`, `latest` and the goodput
-account. A store that is down or refuses costs a warning, and the uploads are retried, with a
-growing pause, for the life of the run.
+account. Between checkpoints the account is uploaded too, whenever it changed, at most every
+ACCOUNT_EVERY_S: a machine lost past its newest remote checkpoint has told the store which steps it
+trained, and the next one counts training them again as such (goodput.py), not as time between legs.
+A store that is down or refuses costs a warning, and the uploads are retried, with a growing pause,
+for the life of the run.
 
 Nothing local goes before a copy remote covers it: retention in the home keeps (home.mirrored) every
 checkpoint not yet remote that is newer than the newest remote one, and prunes it once one is.
@@ -25,6 +28,9 @@ from .remote import Store, StoreError
 log = logging.getLogger(__name__)
 
 MOST_PAUSE_S = 60.0  # between retries of a store that fails
+# The goodput account's upload between checkpoints: one small object. What a lost machine trained in
+# its last such stretch is counted between legs, not as steps trained again.
+ACCOUNT_EVERY_S = 10.0
 
 
 class Lost(StoreError):
@@ -56,6 +62,7 @@ class Mirror:
         self._landed: dict[int, tuple[str, float]] = {}  # step: its name, and when it landed (time.monotonic())
         self._took: dict[int, float] = {}  # step: seconds from landing to its manifest
         self._asked = self._done = 0  # the rest (ranking, pointers, goodput) asked for, and published
+        self._account: tuple[int, int] | None = None  # the goodput account last uploaded: its inode and mtime
         self.failure: StoreError | None = None  # the last failure, until an upload succeeds
         self._closing = False
         self._crowded = False  # said that the checkpoints waiting outnumber keep_last
@@ -139,7 +146,9 @@ class Mirror:
         pause = 0.0
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._pending or self._done < self._asked or self._closing)
+                due = self._changed.wait_for(
+                    lambda: self._pending or self._done < self._asked or self._closing, timeout=ACCOUNT_EVERY_S
+                )
                 resumed, recheck = self._resumed, self._recheck
                 if self._closing and not self._pending and self._done >= self._asked:
                     return
@@ -152,7 +161,10 @@ class Mirror:
                     self._set_aside(resumed)
                     with self._changed:
                         self._resumed = None if self._resumed == resumed else self._resumed
-                self._once()
+                if due:
+                    self._once()
+                else:  # a quiet stretch: the account, where it changed
+                    self._publish_account()
             except Lost as lost:
                 log.warning(f"{lost}; this machine uploads nothing more")
                 with self._changed:  # a stop need not wait for uploads that no longer come
@@ -210,9 +222,9 @@ class Mirror:
     def _publish_rest(self) -> None:
         """The ranking, `best` where it names a remote checkpoint, `latest` naming the newest remote
         one, and the goodput account: each as the home has it now."""
-        for name in (SCORES, GOODPUT):
-            if (self.home / name).is_file():
-                self.store.put_file(self.home / name, f"{self.run}/{name}")
+        if (self.home / SCORES).is_file():
+            self.store.put_file(self.home / SCORES, f"{self.run}/{SCORES}")
+        self._publish_account()
         with self._changed:
             remote = {manifest.name_of(found): step for step, found in self._remote.items()}
         best = best_of(self.home)
@@ -220,6 +232,21 @@ class Mirror:
             self.store.put_bytes(f"{self.run}/{BEST}", best.name.encode())
         if remote:
             self.store.put_bytes(f"{self.run}/{POINTER}", max(remote, key=remote.get).encode())
+
+    def _publish_account(self) -> None:
+        """The home's goodput account, where it changed since its last upload and a checkpoint of
+        this run is remote (without one, no machine continues from there)."""
+        with self._changed:
+            anchored = bool(self._remote)
+        try:
+            found = (self.home / GOODPUT).stat()
+        except FileNotFoundError:
+            return
+        written = (found.st_ino, found.st_mtime_ns)  # each write a new file (files.write_text): a new inode
+        if anchored and written != self._account:
+            self._fence()  # a machine that took the run over since keeps its own account
+            self.store.put_file(self.home / GOODPUT, f"{self.run}/{GOODPUT}")
+            self._account = written
 
     def _set_aside(self, step: int) -> None:
         """The remote checkpoints past `step`, each moved into `set-aside-<time>-after-step-<step>/`:

@@ -55,8 +55,9 @@ def arrow_folder(
     and, with `test_split`, a test split that only eval.py reads; a Dataset, or `val_split` null,
     gives every `val_every`-th row to validation (rows val_every - 1, 2 * val_every - 1, ...: none
     drawn by a seed, and a dataset sorted by label is still split evenly). Its facts: `input_shape`
-    (or `input_shapes`, by column), `num_classes` and `labels` for an integer target (a ClassLabel's
-    names, or else its largest value + 1), and the training split's `fingerprint`."""
+    (or `input_shapes`, by column), `block_size` and `vocab_size` for inputs of token ids (`tokens`),
+    `num_classes` and `labels` for an integer target that is no next tokens (a ClassLabel's names,
+    or else its largest value + 1), and the training split's `fingerprint`."""
     if val_every < 2:
         raise ValueError(f"val_every={val_every} must be 2 or more: every val_every-th row is for validation")
     names = [inputs] if isinstance(inputs, str) else list(inputs)
@@ -73,8 +74,10 @@ def arrow_folder(
             )
     columns, keyed = [(name, *kinds[name]) for name in [*names, target]], not isinstance(inputs, str)
     facts = {"input_shapes": {name: kinds[name][0] for name in names}} if keyed else {"input_shape": kinds[inputs][0]}
-    if kinds[target][1] == "int64":
-        facts.update(classes(target, [saved for saved in (train, held, test) if saved is not None]))
+    found = [saved for saved in (train, held, test) if saved is not None]
+    facts.update(text := {} if keyed else tokens(inputs, target, kinds, found))
+    if kinds[target][1] == "int64" and not (text and kinds[target] == kinds[inputs]):  # next tokens are no classes
+        facts.update(classes(target, found))
     every = val_every if held is None else 0
     return Data(
         train=ArrowRows(train, columns, keyed, every, accept=accept_changed_shards),
@@ -129,6 +132,21 @@ def kind(saved: Saved, name: str, role: str) -> tuple[tuple[int, ...], str]:
             f"or cut them to one with dataset.map before save_to_disk"
         )
     return tuple(facts["shape"]), "float32" if np.dtype(facts["dtype"]).kind == "f" else "int64"
+
+
+def tokens(inputs: str, target: str, kinds: dict, splits: list[Saved]) -> dict:
+    """Of inputs that are token ids (one row of integers from 0 a sample): what a language model is
+    built from, `block_size` (the row's length) and `vocab_size` (the largest token + 1, of the
+    target's rows too where they are tokens, as a next-token task's are). Nothing for other inputs,
+    nor from a manifest written before it kept the largest token."""
+    if len(kinds[inputs][0]) != 1 or kinds[inputs][1] != "int64":
+        return {}
+    surveyed = [saved.columns[inputs] for saved in splits]
+    if any("max" not in facts or facts["min"] < 0 for facts in surveyed):
+        return {}
+    if kinds[target] == kinds[inputs]:  # its padding may be -100, the positions cross-entropy ignores
+        surveyed += [saved.columns[target] for saved in splits if "max" in saved.columns[target]]
+    return {"block_size": kinds[inputs][0][0], "vocab_size": max(facts["max"] for facts in surveyed) + 1}
 
 
 def classes(target: str, splits: list[Saved]) -> dict:

@@ -159,8 +159,8 @@ def surveyed(path: Path) -> tuple[int, dict[str, dict]]:
 
 def survey(array: pa.Array) -> dict:
     """Of a column of numbers or of lists of them: the type of its numbers (`dtype`), the shape of its
-    samples (null where they differ), its nulls, and an integer column's least and largest value;
-    of another, its `type`."""
+    samples (null where they differ), its nulls, and an integer column's least and largest value (a
+    label's, or a token's); of another, its `type`."""
     array, shape, levels = storage(array), [], 0
     nulls = array.null_count
     while is_list(array.type):
@@ -172,7 +172,7 @@ def survey(array: pa.Array) -> dict:
         return {"type": str(array.type)}
     facts = {"dtype": dtype.name, "shape": None if None in shape else shape}
     facts["nulls"] = nulls
-    if not levels and pa.types.is_integer(array.type) and len(array) > nulls:
+    if pa.types.is_integer(array.type) and len(array) > nulls:
         least_and_largest = pc.min_max(array)
         facts.update(min=least_and_largest["min"].as_py(), max=least_and_largest["max"].as_py())
     return facts
