@@ -7,7 +7,8 @@ import sys
 import hydra
 
 from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
-from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config_roots import before_hydra
 from {{cookiecutter.package}}.engine.saved_model import take
 
 

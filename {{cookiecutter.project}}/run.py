@@ -13,7 +13,8 @@ import hydra
 
 from {{cookiecutter.package}}.engine import goodput, standby, tracking
 from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
-from {{cookiecutter.package}}.engine.config import Config, before_hydra  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
+from {{cookiecutter.package}}.engine.config_roots import before_hydra
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

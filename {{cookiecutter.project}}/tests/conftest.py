@@ -24,13 +24,13 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig
-from warm_parent import WarmParent, WarmPopen
+from warm_parent import WarmParent, WarmPopen, fork_senders
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.goodput import BUCKETS
 
 PROJECT = Path(__file__).resolve().parents[1]
-# The folders a run's config is composed from, the first one's files winning (engine.config.config_roots):
+# The folders a run's config is composed from, the first one's files winning (engine.config_roots.config_roots):
 # the project's, then the engine's, found where its package is installed.
 CONFIG_ROOTS = (PROJECT / "configs", Path(str(importlib.resources.files("{{cookiecutter.package}}.engine.configs"))))
 
@@ -42,6 +42,16 @@ BASE = {
     "trainer.val_every_n_steps": "20",
     "checkpoint.every_n_steps": "10",
 }
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many pytest-xdist workers `-n auto` (pyproject.toml's addopts) starts: one a core, up to
+    four, for the suite (`pytest`, `pytest --all`); none, the tests running in this process, for a
+    file or test named on the command line, or a collection, where starting workers and their
+    imports would cost more than they save. `-n <N>` chooses."""
+    if config.args_source is pytest.Config.ArgsSource.ARGS or config.option.collectonly:
+        return 0
+    return min(4, len(os.sched_getaffinity(0)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -207,6 +217,10 @@ def _warm_parent() -> WarmParent | None:
     if not _WARM:
         _WARM.append(WarmParent())
     return _WARM[0]
+
+
+def pytest_sessionstart() -> None:
+    fork_senders(_warm_parent)  # the senders of the runs a test trains in this process
 
 
 def pytest_sessionfinish() -> None:

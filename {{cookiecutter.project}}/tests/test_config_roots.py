@@ -10,7 +10,7 @@ from conftest import CONFIG_ROOTS, PROJECT, run_cli
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from {{cookiecutter.package}}.engine.config import check_roots, config_roots
+from {{cookiecutter.package}}.engine.config_roots import check_roots, config_roots
 from {{cookiecutter.package}}.engine.errors import RunError
 
 

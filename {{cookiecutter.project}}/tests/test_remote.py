@@ -64,7 +64,9 @@ def save(mirror: Mirror, home: Path, step: int, keep_last: int) -> Path:
 
 
 def store_of(remote: str) -> Store:
-    return Store(remote, deadline_s=5)
+    """A store whose calls wait as long as a busy two-core machine may take: a test of the deadline
+    makes a Store of its own."""
+    return Store(remote, deadline_s=60)
 
 
 # --- the URL ------------------------------------------------------------------------------------

@@ -173,3 +173,7 @@ def test_a_forked_runs_sender_is_forked_too_and_ends_as_a_new_interpreters(tmp_p
     # argparse's usage names the module's file: `python -m` set sys.argv[0] to it.
     assert returncode == 2 and stderr.startswith("usage: tracking.py ")
     assert reports[True]["ended"] == reports[False]["ended"]
+    # A test that trains in its own process starts its sender as a forked run does.
+    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "no-such-command"]
+    sender = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert isinstance(sender, WarmPopen) and [sender.wait(), *sender.communicate()] == reports[True]["ended"]

@@ -9,10 +9,11 @@ status on). The child starts as a new interpreter would: the argv, working direc
 and standard streams of the request, `sys.path[0]` the script's folder, the signal handlers and
 RNG states of a fresh interpreter, no thread, socket or file of the warm parent's.
 
-A forked run's MLflow sender (`python -m <package>.engine.tracking drain`, which every tracked run
-starts) is forked by the warm parent too, which has imported MLflow: its parent is the warm parent,
-not the run, and its /proc cmdline the warm parent's, so a test that looks for the sender among the
-run's children starts the run with `start(..., cold=True)`.
+The MLflow sender (`python -m <package>.engine.tracking drain`) that a forked run starts, or a test
+that runs the recipe in its own process (`fork_senders`), is forked by the warm parent too, which
+has imported MLflow: its parent is the warm parent, not the run, and its /proc cmdline the warm
+parent's, so a test that looks for the sender among the run's children starts the run with
+`start(..., cold=True)`.
 
 What a fork cannot give, a request that differs there is started cold (`can_start` says which): an
 environment variable that an interpreter or a library reads as it starts or is imported (PYTHON*,
@@ -25,6 +26,7 @@ parent's in every child. Tests about start-up itself start a cold interpreter (p
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import inspect
 import json
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 # The variables read as an interpreter starts or a library is imported: a child whose request
@@ -177,14 +180,17 @@ class _ThisWarmParent(WarmParent):
         return True  # it does while this run, its child, runs
 
 
-def _senders_forked_by(parent: _ThisWarmParent) -> None:
-    """`subprocess.Popen` in this forked run: a warm fork for the sender it starts, as before for
-    any other command."""
+def fork_senders(parent_of: Callable[[], WarmParent | None]) -> None:
+    """`subprocess.Popen` in this process (a forked run, or a test that runs the recipe in its own
+    process): the MLflow sender it starts is forked by the warm parent `parent_of()` gives (None:
+    none, with `--cold-starts`); any other command starts as before."""
     cold = subprocess.Popen
 
     class Popen(cold):
         def __new__(cls, args, *rest, **popen):
-            if not rest and isinstance(args, list) and parent.can_start(args, popen.get("env"), popen):
+            sender = not rest and isinstance(args, list) and args[1:2] == ["-m"] and args[2:3] in ([m] for m in MODULES)
+            parent = parent_of() if sender else None
+            if parent is not None and parent.can_start(args, popen.get("env"), popen):
                 return WarmPopen(parent, args, **popen)
             return super().__new__(cls)
 
@@ -243,7 +249,7 @@ def serve(path: str, ready: int) -> list[str]:
                 other.close()
             connection.close()
             request = json.loads(message)
-            _senders_forked_by(_ThisWarmParent(path, env, imports_set))
+            fork_senders(functools.partial(_ThisWarmParent, path, env, imports_set))
             _as_new(request, streams, imports_set)
             return request["argv"]
         for stream in streams:

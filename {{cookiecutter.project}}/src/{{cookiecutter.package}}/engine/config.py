@@ -10,11 +10,9 @@ what Hydra lets through (a key added with `+`, a value out of range).
 
 import difflib
 import functools
-import importlib.resources
 import math
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
@@ -27,7 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import components
-from .errors import RunError, reported, typed
+from .errors import RunError, typed
 
 
 @dataclass
@@ -186,77 +184,6 @@ def configs_folder() -> Path:
         if source.provider == "main" and source.schema == "file":
             return Path(source.path)
     raise RuntimeError("the primary config folder is not a file path")
-
-
-def config_roots() -> tuple[Path, ...]:
-    """The folders this command's config is composed from, the first one's files winning: the
-    project's `configs/`, then what its `hydra.searchpath` adds (the engine's configs, a package
-    found where it is installed). Hydra's own configs and the schemas are none of them."""
-    roots = []
-    for source in HydraConfig.get().runtime.config_sources:
-        if source.provider != "main" and not source.provider.startswith("hydra.searchpath"):
-            continue
-        if source.schema == "file":
-            roots.append(Path(source.path))
-        elif source.schema == "pkg":
-            roots.append(Path(str(importlib.resources.files(source.path))))
-    return tuple(roots)
-
-
-PACKAGE = __name__.partition(".")[0]
-ENGINE_CONFIGS = f"pkg://{PACKAGE}.engine.configs"  # the engine's root, as config.yaml's hydra.searchpath names it
-SCHEMA = "config_schema"  # engine.yaml's first default: the dataclasses above, in Hydra's ConfigStore
-
-
-def before_hydra(script: str) -> None:
-    """What a command (run.py, eval.py, export.py: `script` is its __file__) checks before Hydra
-    composes its config from the configs/ beside it, said in one line, exit 2: that folder's roots
-    (check_roots). The command calls checkpoint.remote_url.refuse_typed first, before Hydra prints
-    what it cannot parse."""
-    reported(lambda: check_roots(Path(script).with_name("configs"), sys.argv[1:]))
-
-
-def check_roots(configs: Path, overrides: list[str]) -> None:
-    """Refuses, in one line naming your file, a `configs/` that hides the engine's root or drops it,
-    before Hydra composes from it: a file of yours named as one at the top of the engine's root
-    (engine.yaml) is read in its place, a defaults list without `engine` reads none of its settings,
-    a search path without the engine's package none of its groups, and Hydra said each with a
-    traceback or its search path. The command line's `overrides` may replace the search path."""
-    engine = Path(str(importlib.resources.files(f"{PACKAGE}.engine.configs")))
-    for name in sorted([SCHEMA, *(path.stem for path in engine.glob("*.yaml"))]):
-        if (configs / f"{name}.yaml").is_file():
-            theirs = "the schema every setting merges into" if name == SCHEMA else f"{engine / name}.yaml"
-            raise RunError(
-                f"{configs / name}.yaml hides the engine's {name} ({theirs}): Hydra reads yours in its place, and the "
-                f"run would get none of the engine's settings; rename yours (an experiment goes in configs/experiment/), "
-                f"or move its settings into config.yaml (docs/configuration.md names the engine's files)"
-            )
-    config = configs / "config.yaml"
-    try:
-        choices = OmegaConf.to_container(OmegaConf.load(config))
-    except (OSError, OmegaConfBaseException, ValueError):
-        return  # no config.yaml, or no YAML: Hydra's own line says so
-    if not isinstance(choices, dict):
-        return
-    defaults = choices.get("defaults") or []
-    if "engine" not in defaults and "/engine" not in defaults:
-        raise RunError(
-            f"{config}'s defaults list drops engine, the engine's {engine / 'engine.yaml'} (every setting with its "
-            f"default): put `- engine` first in that list (docs/configuration.md)"
-        )
-    given = [override for override in overrides if override.lstrip("+").startswith("hydra.searchpath=")]
-    if given and ENGINE_CONFIGS not in given[-1]:
-        raise RunError(
-            f"{given[-1]} replaces the search path of {config} and leaves out the engine's configs, {ENGINE_CONFIGS}: "
-            f"name it in that list too"
-        )
-    hydra = choices.get("hydra")
-    searched = (hydra.get("searchpath") if isinstance(hydra, dict) else None) or []
-    if not given and ENGINE_CONFIGS not in searched:
-        raise RunError(
-            f"{config}'s hydra.searchpath ({', '.join(map(str, searched)) or 'none'}) leaves out the engine's configs, "
-            f"{ENGINE_CONFIGS}, where every group and option is: add it to that list, after your own folders"
-        )
 
 
 def launch_time(pattern: str) -> str:

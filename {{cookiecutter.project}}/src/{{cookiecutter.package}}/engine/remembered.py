@@ -38,7 +38,8 @@ from omegaconf.errors import OmegaConfBaseException
 from . import targets
 from .checkpoint.resume import config_at, config_of
 from .components import RUNTIME
-from .config import Config, check_resolved, config_roots
+from .config import Config, check_resolved
+from .config_roots import config_roots
 from .errors import RunError, shown
 
 COMPONENTS = tuple(RUNTIME)
