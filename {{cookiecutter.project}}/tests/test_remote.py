@@ -173,9 +173,11 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
         ["eval.py", "checkpoint=last", f"++checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
         ["export.py", "checkpoint=last", f"+checkpoint.remote@pkg=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
         ["run.py", f"~checkpoint/remote=s3://AKIAEXAMPLE:{SECRET}@bkt/runs"],
+        ["run.py", "-m", f"hydra.sweeper.params.checkpoint.remote=s3://bkt/a,s3://AKIAEXAMPLE:{SECRET}@bkt/b"],
+        ["run.py", "-m", "hydra.sweeper.params={checkpoint.remote:'s3://AKIAEXAMPLE:" + SECRET + "@bkt/b'}"],
     ],
     ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"]
-    + ["package", "slash", "plus-slash", "plus-package", "tilde-slash"],
+    + ["package", "slash", "plus-slash", "plus-package", "tilde-slash", "sweeper-param", "sweeper-params"],
 )
 def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(project, command):
     script, *overrides = command

@@ -105,18 +105,26 @@ def _configured(config: DictConfig) -> Iterator[str]:
         yield str(url)
 
 
+SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
+
+
 def _given(overrides: Iterable[str]) -> Iterator[str]:
     """The values that `overrides` give `checkpoint.remote`, as Hydra parses them (each of a
-    sweep's); where Hydra cannot parse one, the whole text after its `=`, judged as one."""
+    sweep's, typed as the setting or as the sweeper's param); where Hydra cannot parse one, the
+    whole text after its `=`, judged as one."""
     for override in overrides:
-        if _key(override.partition("=")[0]) != KEY:
+        key = _key(override.partition("=")[0])
+        if key not in (KEY, f"{SWEPT}.{KEY}", SWEPT):
             continue
         try:
             parsed = OverridesParser.create().parse_override(override)
         except HydraException:
             yield override.partition("=")[2]
             continue
-        yield from _strings(parsed.value())  # a deletion's too: `.hydra/overrides.yaml` holds it
+        value = parsed.value()  # a deletion's too: `.hydra/overrides.yaml` holds it
+        if key == SWEPT:  # the sweeper's params typed whole: `hydra.sweeper.params={checkpoint.remote: ...}`
+            value = {name: each for name, each in value.items() if _key(name) == KEY} if isinstance(value, dict) else []
+        yield from _strings(value)
 
 
 def _key(typed: str) -> str:
