@@ -474,7 +474,8 @@ def test_an_install_that_is_not_editable_carries_the_engines_configs(
     } == shipped
     configs = shutil.copytree(project / "configs", tmp_path / "elsewhere" / "configs")
     code = (
-        "import sys; from my_trainer.engine.config import config_roots\n"
+        "import sys; import my_trainer.engine.config  # the schema, registered as it is imported\n"
+        "from my_trainer.engine.config_roots import config_roots\n"
         "from hydra import compose, initialize_config_dir\n"
         "from hydra.core.hydra_config import HydraConfig\n"
         "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
