@@ -48,8 +48,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many pytest-xdist workers `-n auto` (pyproject.toml's addopts) starts: one a core, up to
     four, for the suite (`pytest`, `pytest --all`); none, the tests running in this process, for a
     file or test named on the command line, or a collection, where starting workers and their
-    imports would cost more than they save. `-n <N>` chooses."""
+    imports would cost more than they save, and for the SLURM tier (`-m slurm`), whose one cluster
+    each worker would start again on the same ports. `-n <N>` chooses."""
     if config.args_source is pytest.Config.ArgsSource.ARGS or config.option.collectonly:
+        return 0
+    if "slurm" in config.option.markexpr:
         return 0
     return min(4, len(os.sched_getaffinity(0)))
 
