@@ -89,5 +89,6 @@ def test_a_model_logged_on_a_gpu_machine_loads_there_to_its_logged_val_loss(make
     trained = train(make_cfg("device=cuda", "mlflow.log_models=best"))
     (model,) = models_of(client, trained["run_id"]).values()
     logged = {metric.key: metric.value for metric in model.metrics}["val/loss"]
-    assert val_loss(loaded(tracking_uri, model.model_id)) == pytest.approx(logged, rel=1e-4)
+    val_fraction = make_cfg().data.val_fraction
+    assert val_loss(loaded(tracking_uri, model.model_id), val_fraction) == pytest.approx(logged, rel=1e-4)
     assert "Failed to validate serving input" not in capfd.readouterr().err

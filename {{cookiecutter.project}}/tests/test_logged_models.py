@@ -58,7 +58,8 @@ def test_the_best_model_is_logged_at_its_step_with_its_metrics_and_loads_to_its_
     linked = {metric.key: metric for metric in model.metrics}
     assert linked["val/loss"].value == logged[best] and linked["val/loss"].step == best
     assert linked["val/loss"].model_id == model.model_id
-    assert val_loss(loaded(tracking_uri, model.model_id)) == pytest.approx(logged[best], rel=1e-5)
+    val_fraction = make_cfg().data.val_fraction
+    assert val_loss(loaded(tracking_uri, model.model_id), val_fraction) == pytest.approx(logged[best], rel=1e-5)
 
 
 def test_a_model_traced_on_the_cpu_is_checked_on_the_cpu_where_mlflow_would_serve_on_a_gpu(
@@ -114,7 +115,7 @@ def test_a_run_stopped_to_come_back_logs_its_models_when_it_ends(make_cfg, clien
     assert set(models_of(client, run.info.run_id)) == {"best"}, "no second copy of the same checkpoint"
 
 
-def test_a_sharded_checkpoint_is_logged_as_one_model(project):
+def test_a_sharded_checkpoint_is_logged_as_one_model(project, make_cfg):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5", "mlflow.log_models=best")
     assert trained.returncode == 0, trained.stderr
     client = store(project)
@@ -122,7 +123,8 @@ def test_a_sharded_checkpoint_is_logged_as_one_model(project):
     (model,) = models_of(client, run.info.run_id).values()
     logged = {step: values[-1] for step, values in losses(client, run.info.run_id, "val/loss").items()}
     step = next(metric.step for metric in model.metrics if metric.key == "val/loss")
-    assert val_loss(loaded(f"sqlite:///{project / 'mlflow.db'}", model.model_id)) == pytest.approx(
+    val_fraction = make_cfg().data.val_fraction  # the project's, which its copy keeps
+    assert val_loss(loaded(f"sqlite:///{project / 'mlflow.db'}", model.model_id), val_fraction) == pytest.approx(
         logged[step], rel=1e-5
     )
 
