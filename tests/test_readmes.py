@@ -140,7 +140,7 @@ SERVER_CHECK = r"""
 PROBE='
 import sys, urllib.error, urllib.request
 try:
-    urllib.request.urlopen(sys.argv[1])
+    urllib.request.urlopen(sys.argv[1], timeout=60)  # a worker that takes it and never answers: ask again
 except urllib.error.HTTPError:
     raise
 except OSError:
