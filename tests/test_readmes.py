@@ -132,34 +132,38 @@ def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
 
 
 # `mlflow ui` serves until stopped: here it is started on a port of the kernel's choosing (port 0:
-# no clash with another server on this machine), asked for the page a user opens, and stopped with
-# its workers (its own process group). Every wait is for the server, never for a time: for the line
-# that says where it listens, then for a worker to take the connection (refused until one does),
-# each ended by the server's own end. A shell function, so that the README's line runs as written.
+# no clash with another server on this machine), with one worker and no job runner (the page needs
+# neither; each of the four default workers would import MLflow's server on two busy cores), asked
+# for the page a user opens, and stopped with its own process group. Every wait is for the server:
+# for the line that says where it listens, then (in one interpreter) for the page, asked again while
+# the port refuses or a taken connection goes unanswered; the server's end or 600 s of refusals end
+# it, with the server's log. A shell function, so that the README's line runs as written.
 SERVER_CHECK = r"""
 PROBE='
-import sys, urllib.error, urllib.request
-try:
-    urllib.request.urlopen(sys.argv[1], timeout=60)  # a worker that takes it and never answers: ask again
-except urllib.error.HTTPError:
-    raise
-except OSError:
-    sys.exit(3)  # no worker listens yet
+import os, sys, time, urllib.error, urllib.request
+server, url, bound = int(sys.argv[1]), sys.argv[2], time.monotonic() + 600
+while True:
+    try:
+        urllib.request.urlopen(url, timeout=60)
+        break
+    except urllib.error.HTTPError:
+        raise
+    except OSError as refused:
+        os.kill(server, 0)  # ProcessLookupError once the server has ended
+        if time.monotonic() > bound:
+            sys.exit(f"{url} still refuses after 600 s: {refused}")
+        time.sleep(0.2)
 '
 mlflow() {
   if [ "$1" != ui ]; then command mlflow "$@"; return; fi
-  setsid mlflow "$@" --port 0 >mlflow-ui.log 2>&1 &
-  local server=$! url= answer=3
+  MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
+    setsid mlflow "$@" --port 0 --workers 1 >mlflow-ui.log 2>&1 &
+  local server=$! url= answer=0
   until url=$(grep -o 'Uvicorn running on http://[0-9.]*:[0-9]*' mlflow-ui.log | grep -o 'http://.*'); do
     kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
     sleep 0.1
   done
-  while [ $answer = 3 ]; do
-    kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
-    answer=0
-    python -c "$PROBE" "$url/" || answer=$?
-    if [ $answer = 3 ]; then sleep 0.2; fi
-  done
+  python -c "$PROBE" $server "$url/" || answer=$?
   kill -- -$server; wait $server || true
   [ $answer = 0 ] || { cat mlflow-ui.log; return 1; }
 }

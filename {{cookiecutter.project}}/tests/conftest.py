@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig
-from warm_parent import WarmParent, WarmPopen, fork_senders
+from warm_parent import WarmParent, WarmPopen, fork_from
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.goodput import BUCKETS
@@ -201,13 +201,38 @@ def start(
     it runs still (no_process_outlives_its_test)."""
     command = [sys.executable, script, *overrides]
     popen = {"cwd": project, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env, **popen}
-    warm = None if cold else _warm_parent()
-    if warm is not None and warm.can_start(command, env, popen):
-        process = WarmPopen(warm, command, **popen)
-    else:
-        process = subprocess.Popen(command, **popen)
+    process = started(command, cold=cold, **popen)
     _STARTED.append(process)
     return process
+
+
+def started(command: list[str], cold: bool = False, **popen) -> subprocess.Popen:
+    """`subprocess.Popen(command, **popen)`, forked by this worker's warm parent where it can be."""
+    warm = None if cold else _warm_parent()
+    if warm is not None and warm.can_start(command, popen.get("env"), popen):
+        return WarmPopen(warm, command, **popen)
+    return subprocess.Popen(command, **popen)  # a new interpreter: this process forks only senders
+
+
+def started_by(process: subprocess.Popen) -> dict[int, dict[str, str]]:
+    """The processes that `process` started and that run still, each with its environment: its own
+    children, and those this worker's warm parent forked at its request (torchrun's workers, where
+    torchrun was forked)."""
+    found = {pid: env for warm in _WARM for pid, env in warm.started_by(process.pid).items()}
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    for pid in map(int, children):
+        with contextlib.suppress(FileNotFoundError):  # a child that ended meanwhile
+            found[pid] = environ(pid)
+    return found
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (a child of this worker's warm parent: as asked for)."""
+    for warm in _WARM:
+        if (forked := warm.environ(pid)) is not None:
+            return forked
+    with open(f"/proc/{pid}/environ", "rb") as variables:
+        return dict(item.decode().split("=", 1) for item in variables.read().split(b"\0") if b"=" in item)
 
 
 _WARM: list[WarmParent] = []  # this worker's, once a test has started a run
@@ -223,7 +248,7 @@ def _warm_parent() -> WarmParent | None:
 
 
 def pytest_sessionstart() -> None:
-    fork_senders(_warm_parent)  # the senders of the runs a test trains in this process
+    fork_from(_warm_parent, senders_only=True)  # the senders of the runs a test trains in this process
 
 
 def pytest_sessionfinish() -> None:

@@ -18,7 +18,19 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import goodput_of, losses, run_cli, runs_named, signal_pending, start, wait_for_a_save, wait_for_exit
+from conftest import (
+    environ,
+    goodput_of,
+    losses,
+    run_cli,
+    runs_named,
+    signal_pending,
+    start,
+    started,
+    started_by,
+    wait_for_a_save,
+    wait_for_exit,
+)
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
 
@@ -123,14 +135,18 @@ def torchrun(
     output: IO | int = subprocess.PIPE,
     rendezvous: tuple[str, ...] = ("--standalone",),
     script: str = "run.py",
+    cold: bool = False,
 ) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node=2 --max-restarts=0 run.py strategy=ddp device=cpu ...`
     (or another `script`) in `project`, its stdout and stderr to `output` (a file for a job that
-    says more than a pipe holds before the test reads it)."""
+    says more than a pipe holds before the test reads it). Forked by the warm parent, which forks
+    its workers too, unless `cold`: for a test that needs a worker's parent to be torchrun, or its
+    sender among its children in /proc (`started_by` finds the forked ones)."""
     launch = [*rendezvous, f"--nproc-per-node={processes}", f"--max-restarts={restarts}"]
     command = [sys.executable, "-m", "torch.distributed.run", *launch, script]
     settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
-    return subprocess.Popen([*command, *settings], cwd=project, stdout=output, stderr=output, text=True, env=env)
+    popen = {"cwd": project, "stdout": output, "stderr": output, "text": True, "env": env}
+    return started([*command, *settings], cold=cold, **popen)
 
 
 def finished(process: subprocess.Popen, timeout: float = 300) -> str:
@@ -152,16 +168,7 @@ def ranks(process: subprocess.Popen) -> dict[int, int]:
     """torchrun's workers: {rank: pid}, once both have started (or a failure, if torchrun ends)."""
     while True:
         assert process.poll() is None, process.communicate()
-        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-        found = {}
-        for pid in map(int, children):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as environ:
-                    variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
-            except FileNotFoundError:  # a child that ended meanwhile
-                continue
-            if b"RANK" in variables:
-                found[int(variables[b"RANK"])] = pid
+        found = {int(variables["RANK"]): pid for pid, variables in started_by(process).items() if "RANK" in variables}
         if len(found) == 2:
             return found
         time.sleep(0.1)
@@ -750,11 +757,6 @@ def test_a_job_whose_claim_another_machine_took_stops_on_every_rank_at_the_same_
     assert process.returncode != 0
 
 
-def environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as variables:
-        return dict(item.decode().split("=", 1) for item in variables.read().split(b"\0") if b"=" in item)
-
-
 def connected(pid: int, port: int) -> bool:
     """Whether process `pid` holds a TCP connection to `port` on this machine."""
     sockets = set()
@@ -827,7 +829,8 @@ def test_sigterm_to_torchrun_during_validation_stops_both_ranks_within_a_batch_a
     assert (project / "unbroken" / "rank1").read_text() == str(3 * 3)
 
     gated = [*steps, f"+metrics.gate.counts={project / 'broken'}"]
-    process = torchrun(project, "name=broken", *gated, env={**os.environ, "STOP_AT_BATCH": "2"})
+    # Cold: the gate signals its parent, torchrun, which a forked worker's is not.
+    process = torchrun(project, "name=broken", *gated, env={**os.environ, "STOP_AT_BATCH": "2"}, cold=True)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode != 0, stdout + stderr
     assert [(project / "broken" / f"rank{rank}").read_text() for rank in (0, 1)] == ["2", "2"]

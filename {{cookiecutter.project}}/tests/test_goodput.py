@@ -316,7 +316,7 @@ def test_a_leg_behind_a_shell_counts_from_its_python_interpreters_start_not_the_
     (leg,) = legs(project / "checkpoints" / "demo")
     check_adds_up(leg)
     shell_s = done.stat().st_mtime - launched
-    assert shell_s >= 1.0
+    assert shell_s >= 0.98  # the `sleep 1`, less a tick of the kernel's coarse clock that stamps mtimes
     # From the interpreter's start, less at most the few milliseconds of the shell's own CPU time.
     assert leg["started"] >= done.stat().st_mtime - 0.05, (leg, shell_s)
     assert leg["seconds"]["startup"] < leg["ended"] - done.stat().st_mtime

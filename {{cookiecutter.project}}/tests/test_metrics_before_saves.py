@@ -56,7 +56,8 @@ def test_a_rank_0_killed_right_after_each_sharded_save_under_torchrun_loses_no_m
     gate = save_gate(each=True)
     settings = [f"checkpoint.every_n_steps={every}", f"trainer.max_steps={every * (kills + 1)}", "resume=auto"]
     with open(project / "torchrun.log", "w+") as log:
-        process = torchrun(project, *settings, strategy="fsdp", restarts=kills, env=gate.env, output=log)
+        # Cold: a rank's sender is found among its children in /proc.
+        process = torchrun(project, *settings, strategy="fsdp", restarts=kills, env=gate.env, output=log, cold=True)
         senders = []
         for _ in range(kills):
             senders.append(kill_at_the_gate(gate.wait(process)))

@@ -33,6 +33,7 @@ print(json.dumps({
     "env": os.environ.get("PROBE_VALUE"),
     "threads": threading.active_count(),
     "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+    "stdio": [[type(out.buffer).__name__, out.write_through, out.line_buffering, out.name] for out in (sys.stdout, sys.stderr)],
     "torch_seed": torch.initial_seed(),
     "torch_rand": torch.rand(4).tolist(),
     "random": random.random(),
@@ -58,8 +59,8 @@ def probe(tmp_path):
     return tmp_path
 
 
-def started(probe, warm: bool, *argv: str, **popen) -> tuple[subprocess.Popen, dict]:
-    command = [sys.executable, "run.py", *argv]
+def started(probe, warm: bool, *argv: str, options: tuple[str, ...] = (), **popen) -> tuple[subprocess.Popen, dict]:
+    command = [sys.executable, *options, "run.py", *argv]
     popen = {
         "cwd": probe,
         "stdin": subprocess.PIPE,
@@ -74,11 +75,19 @@ def started(probe, warm: bool, *argv: str, **popen) -> tuple[subprocess.Popen, d
     return process, json.loads(process.stdout.readline())
 
 
-def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch):
+# As a person starts a run, and as torchrun starts its workers: `python -u`, with OMP_NUM_THREADS=1
+# (torchrun's default for many processes a machine) and its own variables.
+AS_TORCHRUN = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "probe", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
+@pytest.mark.parametrize(("options", "variables"), [((), {}), (("-u",), AS_TORCHRUN)], ids=["run.py", "torchrun's"])
+def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch, options, variables):
     monkeypatch.setenv("PROBE_VALUE", "set by the test")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
     reports = {}
     for warm in (False, True, True):
-        process, report = started(probe, warm, "a=1", "b=two")
+        process, report = started(probe, warm, "a=1", "b=two", options=options)
         assert report.pop("pid") == process.pid
         process.communicate("exit 0\n")  # waits for its end: the probe exits when told
         reports.setdefault(warm, []).append(report)
@@ -134,7 +143,9 @@ def test_a_request_that_a_fork_cannot_honour_starts_cold(probe):
     assert parent.can_start(command, None, {"cwd": probe})
     # The interpreter reads these as it starts, before any fork could set them.
     assert not parent.can_start(command, {**parent.env, "PYTHONHASHSEED": "7"}, {"cwd": probe})
-    assert not parent.can_start(command, {**parent.env, "OMP_NUM_THREADS": "1"}, {"cwd": probe})
+    assert not parent.can_start(command, {**parent.env, "OMP_PROC_BIND": "true"}, {"cwd": probe})
+    nested = {**parent.env, "OMP_NUM_THREADS": "2,1"}  # OpenMP's nested levels: no count torch takes
+    assert not parent.can_start(command, nested, {"cwd": probe})
     assert not parent.can_start(command, None, {"cwd": probe, "preexec_fn": print})
     assert not parent.can_start([sys.executable, "-c", "pass"], None, {})
 

@@ -9,17 +9,22 @@ status on). The child starts as a new interpreter would: the argv, working direc
 and standard streams of the request, `sys.path[0]` the script's folder, the signal handlers and
 RNG states of a fresh interpreter, no thread, socket or file of the warm parent's.
 
-The MLflow sender (`python -m <package>.engine.tracking drain`) that a forked run starts, or a test
-that runs the recipe in its own process (`fork_senders`), is forked by the warm parent too, which
-has imported MLflow: its parent is the warm parent, not the run, and its /proc cmdline the warm
-parent's, so a test that looks for the sender among the run's children starts the run with
-`start(..., cold=True)`.
+What a forked process starts that the warm parent can start is forked by the warm parent too
+(`fork_from`): the MLflow sender (`python -m <package>.engine.tracking drain`) that a run, or a test
+that runs the recipe in its own process, starts; torchrun's workers (`python -u run.py ...`, with
+the variables torchrun sets) where torchrun itself (`python -m torch.distributed.run`) is forked.
+Such a child's parent is the warm parent, not its requester, and its /proc cmdline and environ are
+the warm parent's: `WarmParent.started_by` finds a requester's forked children with their
+environment, and a test that looks for the sender among the run's children in /proc starts the run
+with `start(..., cold=True)`.
 
 What a fork cannot give, a request that differs there is started cold (`can_start` says which): an
 environment variable that an interpreter or a library reads as it starts or is imported (PYTHON*,
-OMP_*, LD_*, ...), less the one exception used here: a folder put first on PYTHONPATH whose
-sitecustomize.py the child imports as `site` would (tests/gates/). Python's hash seed is the warm
-parent's in every child. Tests about start-up itself start a cold interpreter (plain `subprocess`).
+OMP_*, LD_*, ...), less the exceptions a child sets up as a new interpreter would: a folder put
+first on PYTHONPATH whose sitecustomize.py the child imports as `site` would (tests/gates/), `-u`
+(unbuffered standard streams) and OMP_NUM_THREADS (torch's threads), which torchrun gives its
+workers. Python's hash seed is the warm parent's in every child. Tests about start-up itself start a
+cold interpreter (plain `subprocess`).
 
     python tests/warm_parent.py SOCKET READY   # READY: a pipe's fd, told "ready" once it serves
 """
@@ -29,12 +34,14 @@ import ctypes
 import functools
 import importlib.util
 import inspect
+import io
 import json
 import os
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,14 +52,22 @@ from pathlib import Path
 # The variables read as an interpreter starts or a library is imported: a child whose request
 # differs in one would not be the process it asks for.
 AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LANG", "LC_", "TZ")
+# Read as a run goes, not as it starts: torchrun's variables for its workers, and OMP_NUM_THREADS,
+# which a child gives torch as torch would have read it.
+AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
 SCRIPTS = ("run.py", "eval.py", "export.py")
-MODULES = ("{{cookiecutter.package}}.engine.tracking",)  # the sender, as `python -m`, started by a forked run
+SENDER = "{{cookiecutter.package}}.engine.tracking"  # run as `python -m` by a tracked run
+MODULES = (SENDER, "torch.distributed.run")
 # Popen's arguments that a request carries; any other one set means a cold start.
 CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal_newlines", "bufsize", "cwd", "env"}
 CARRIED |= {"start_new_session"}
 MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
 IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
 IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.sender", "torch._dynamo")
+IMPORTS += ("torch.distributed.run",)
+# What the sender imports as it opens the sqlite store (SQLAlchemy, Alembic's schema check): a second.
+IMPORTS += ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store")
+IMPORTS += ("mlflow.store.model_registry.sqlalchemy_store", "alembic.config", "sqlalchemy.dialects.sqlite")
 
 
 class WarmParent:
@@ -77,16 +92,29 @@ class WarmParent:
 
     def can_start(self, command: list[str], env: dict[str, str] | None, popen: dict) -> bool:
         """Whether a fork of this parent is the process `command` would start."""
-        if len(command) < 2 or command[0] != sys.executable:
-            return False
-        if command[1] not in SCRIPTS and (command[1] != "-m" or command[2:3] not in ([name] for name in MODULES)):
-            return False
-        if not set(popen) <= CARRIED or not self.serves():
+        if _started(command) is None or not set(popen) <= CARRIED or not self.serves():
             return False
         env = os.environ if env is None else env
-        at_start = {key for key in {*env, *self.env} if key.startswith(AT_START)} - {"PYTHONPATH"}
-        same = all(env.get(key) in (self.env.get(key), self.imports_set.get(key)) for key in at_start)
-        return same and _added_path(env, self.env) is not None
+        at_start = {key for key in {*env, *self.env} if key.startswith(AT_START) and not key.startswith(AT_RUN)}
+        same = all(env.get(key) in (self.env.get(key), self.imports_set.get(key)) for key in at_start - {"PYTHONPATH"})
+        threads = env.get("OMP_NUM_THREADS")
+        threads_given = threads == self.env.get("OMP_NUM_THREADS") or (threads or "").isdigit()
+        return same and threads_given and _added_path(env, self.env) is not None
+
+    def started_by(self, requester: int) -> dict[int, dict[str, str]]:
+        """The children forked at `requester`'s request that run still, each with its environment."""
+        return {pid: child["env"] for pid, child in self._children().items() if child["requester"] == requester}
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        """The environment child `pid` was forked with, while it runs (None: no child of this one)."""
+        return self._children().get(pid, {}).get("env")
+
+    def _children(self) -> dict[int, dict]:
+        found = {}
+        for record in Path(self._folder).glob("*.json"):
+            with contextlib.suppress(FileNotFoundError):  # reaped meanwhile
+                found[int(record.stem)] = json.loads(record.read_text())
+        return found
 
     def serves(self) -> bool:
         return self.process.poll() is None
@@ -100,7 +128,7 @@ class WarmParent:
 class WarmPopen(subprocess.Popen):
     """`subprocess.Popen(command, ...)` forked by `parent`: the same object to the test."""
 
-    def __init__(self, parent: WarmParent, command: list[str], **popen) -> None:
+    def __init__(self, parent: WarmParent, command: list[str] | tuple[str, ...], **popen) -> None:
         self._parent = parent
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._connection.connect(parent.path)
@@ -160,6 +188,19 @@ _CHILD_ARGUMENTS = list(inspect.signature(subprocess.Popen._execute_child).param
 _PIPES = ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")
 
 
+def _started(command) -> tuple[bool, list[str]] | None:
+    """For `python [-u] <script> ...` or `python [-u] -m <module> ...` of what the warm parent runs:
+    whether it is unbuffered (-u), and the rest (script or -m module, then the arguments)."""
+    command = list(command)
+    if not command or command[0] != sys.executable:
+        return None
+    unbuffered = command[1:2] == ["-u"]
+    rest = command[1 + unbuffered :]
+    if rest[:1] and rest[0] in SCRIPTS or rest[:1] == ["-m"] and rest[1:2] and rest[1] in MODULES:
+        return unbuffered, rest
+    return None
+
+
 def _added_path(env, parent_env) -> list[str] | None:
     """The folders `env`'s PYTHONPATH puts before the warm parent's ([] for none), or None where it
     differs otherwise."""
@@ -180,21 +221,28 @@ class _ThisWarmParent(WarmParent):
         return True  # it does while this run, its child, runs
 
 
-def fork_senders(parent_of: Callable[[], WarmParent | None]) -> None:
-    """`subprocess.Popen` in this process (a forked run, or a test that runs the recipe in its own
-    process): the MLflow sender it starts is forked by the warm parent `parent_of()` gives (None:
-    none, with `--cold-starts`); any other command starts as before."""
+def fork_from(parent_of: Callable[[], WarmParent | None], senders_only: bool = False) -> None:
+    """`subprocess.Popen` in this process (a forked run or torchrun; `senders_only` in a test that runs
+    the recipe in its own process), and torchrun's own reference to it: what it starts that the warm
+    parent `parent_of()` gives can start (the sender, torchrun's workers) is forked by it (None: none,
+    with `--cold-starts`); any other command starts as before."""
     cold = subprocess.Popen
+
+    def forks(args) -> bool:
+        started = _started(args) if isinstance(args, list | tuple) else None
+        return started is not None and (not senders_only or started[1][:2] == ["-m", SENDER])
 
     class Popen(cold):
         def __new__(cls, args, *rest, **popen):
-            sender = not rest and isinstance(args, list) and args[1:2] == ["-m"] and args[2:3] in ([m] for m in MODULES)
-            parent = parent_of() if sender else None
+            parent = parent_of() if not rest and forks(args) else None
             if parent is not None and parent.can_start(args, popen.get("env"), popen):
                 return WarmPopen(parent, args, **popen)
             return super().__new__(cls)
 
     subprocess.Popen = Popen
+    torchrun = sys.modules.get("torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler")
+    if torchrun is not None:  # it took Popen by name as it was imported
+        torchrun.Popen = Popen
 
 
 def _die_with_parent() -> None:
@@ -226,12 +274,14 @@ def serve(path: str, ready: int) -> list[str]:
             pid, connection = children.pop(pidfd)
             _, status = os.waitpid(pid, 0)
             os.close(pidfd)
+            os.unlink(_record(path, pid))
             with contextlib.suppress(OSError):  # a requester that ended first
                 connection.send(str(status).encode())
             connection.close()
         if listener not in readable:
             continue
         connection, _ = listener.accept()
+        requester, _, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         message, streams, _, _ = socket.recv_fds(connection, MESSAGE, 3)
         if len(streams) != 3:  # a requester whose Popen failed before it asked
             for stream in streams:
@@ -249,13 +299,21 @@ def serve(path: str, ready: int) -> list[str]:
                 other.close()
             connection.close()
             request = json.loads(message)
-            fork_senders(functools.partial(_ThisWarmParent, path, env, imports_set))
+            fork_from(functools.partial(_ThisWarmParent, path, env, imports_set))
             _as_new(request, streams, imports_set)
             return request["argv"]
         for stream in streams:
             os.close(stream)
+        record = json.dumps({"requester": requester, "env": json.loads(message)["env"]})
+        Path(_record(path, pid) + ".tmp").write_text(record)
+        os.rename(_record(path, pid) + ".tmp", _record(path, pid))  # whole, to `started_by`
         connection.send(str(pid).encode())
         children[os.pidfd_open(pid)] = (pid, connection)
+
+
+def _record(path: str, pid: int) -> str:
+    """Where the warm parent serving at socket `path` keeps what child `pid` was asked for."""
+    return os.path.join(os.path.dirname(path), f"{pid}.json")
 
 
 def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> None:
@@ -269,13 +327,22 @@ def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> N
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(imports_set | request["env"])
-    if request["argv"][1] == "-m":  # as `python -m` sets them while it finds the module
-        sys.argv = ["-m", *request["argv"][3:]]
+    unbuffered, rest = _started(request["argv"])
+    if rest[0] == "-m":  # as `python -m` sets them while it finds the module
+        sys.argv = ["-m", *rest[2:]]
         sys.path[:0] = [request["cwd"], *request["added"]]
     else:
-        sys.argv = request["argv"][1:]
+        sys.argv = rest
         script = os.path.join(request["cwd"], sys.argv[0])
         sys.path[:0] = [os.path.dirname(script), *request["added"]]
+    if unbuffered:  # as `python -u` makes them: each write reaches the stream at once
+        for name, number in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            raw = io.FileIO(number, "w", closefd=False)
+            raw.name = f"<{name}>"
+            stream = io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
     tempfile.tempdir = None  # read from TMPDIR again, as a new interpreter would
     # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork.
     import random
@@ -286,6 +353,8 @@ def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> N
     random.seed()
     numpy.random.seed()
     torch.seed()
+    if "OMP_NUM_THREADS" in request["env"]:  # as torch reads it as it starts
+        torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     for folder in request["added"]:
         found = Path(folder, "sitecustomize.py")
         if found.is_file():
@@ -326,7 +395,8 @@ def run_module_as_main(module: str) -> None:
 if __name__ == "__main__":
     sys.path.pop(0)  # this folder's, which a run's interpreter would not have
     command = serve(sys.argv[1], int(sys.argv[2]))  # in the child only: the warm parent serves until it ends
-    if command[1] == "-m":
-        run_module_as_main(command[2])
+    _, rest = _started(command)
+    if rest[0] == "-m":
+        run_module_as_main(rest[1])
     else:
         run_as_main(sys.argv[0])
