@@ -6,9 +6,13 @@ that stops working fails this test, so the READMEs and the pages cannot drift fr
 
 What this machine cannot do as written is adapted by the rules in REWRITES (no network, no GPU,
 2 cores, seconds instead of minutes), and a line that cannot run here at all is listed in SKIPPED
-with the reason and the test that covers it instead. Every other line runs as written.
+with the reason and the test that covers it instead. Every other line runs as written. In the
+generated project's chain, a foreground `python` or `torchrun` line is forked by the bake's warm
+parent (its tests/warm_parent.py) once the project is installed: the imports are paid once a chain,
+not once a line (WarmChain).
 """
 
+import importlib.util
 import os
 import re
 import shlex
@@ -101,7 +105,50 @@ def adapted(line: str) -> str:
     return scaled(line)
 
 
-def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
+class WarmChain:
+    """The bake's warm parent for a chain's lines, started once a block has installed the project
+    (`pip install`): a line before then, or with none, starts a new interpreter."""
+
+    def __init__(self, project: Path) -> None:
+        self.client = project / "tests" / "warm_parent.py"
+        self.parent = None
+
+    def env(self) -> dict[str, str]:
+        if self.parent is None:
+            return {}
+        return {"WARM_PARENT": str(self.client), "WARM_SOCKET": self.parent.path}
+
+    def installed(self) -> None:
+        if self.parent is None:
+            spec = importlib.util.spec_from_file_location("bakes_warm_parent", self.client)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            self.parent = module.WarmParent()
+
+    def stop(self) -> None:
+        if self.parent is not None:
+            self.parent.stop()
+
+
+# `python` and `torchrun` in a chain: a foreground line goes to the warm parent (its client runs
+# anything the warm parent does not start as a new interpreter); a line in a subshell (`&`, whose
+# `$!` a README reads, a pipe, `$(...)`) is the new interpreter itself, as the shell would start it.
+WARM_LINES = r"""
+python() {
+  if [ "$BASHPID" != "$$" ]; then exec python "$@"; fi
+  if [ -z "${WARM_SOCKET-}" ]; then command python "$@"; return; fi
+  command python "$WARM_PARENT" --client "$WARM_SOCKET" "$@"
+}
+torchrun() {
+  if [ "$BASHPID" != "$$" ] || [ -z "${WARM_SOCKET-}" ]; then command torchrun "$@"; return; fi
+  python -m torch.distributed.run "$@"
+}
+"""
+
+
+def run_readme(
+    readme: str, cwd: Path, source: str = "README.md", warm: WarmChain | None = None
+) -> list[str]:
     """Run each block of the README (or docs page) in a shell of its own that starts in `cwd`
     (where its reader stands), so `cd` and `&&` mean what they say; return the lines that ran, as
     adapted."""
@@ -109,7 +156,7 @@ def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
     env.pop("MLFLOW_TRACKING_URI", None)
     ran = []
     for block in command_blocks(readme):
-        script = ["set -euo pipefail", SERVER_CHECK]
+        script = ["set -euo pipefail", SERVER_CHECK, WARM_LINES]
         for line in block:
             if any(skip in line for skip in SKIPPED):
                 continue
@@ -120,7 +167,7 @@ def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
         result = subprocess.run(
             ["bash", "-c", "\n".join(script)],
             cwd=cwd,
-            env=env,
+            env={**env, **(warm.env() if warm else {})},
             input="\n" * 50,  # Enter at each of cookiecutter's questions: the defaults
             capture_output=True,
             text=True,
@@ -128,6 +175,8 @@ def run_readme(readme: str, cwd: Path, source: str = "README.md") -> list[str]:
             check=False,
         )
         assert result.returncode == 0, f"{source}:\n{result.stdout}\n{result.stderr}"
+        if warm is not None and any("pip install" in line for line in block):
+            warm.installed()
     return ran
 
 
@@ -163,7 +212,7 @@ mlflow() {
     kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
     sleep 0.1
   done
-  python -c "$PROBE" $server "$url/" || answer=$?
+  command python -c "$PROBE" $server "$url/" || answer=$?
   kill -- -$server; wait $server || true
   [ $answer = 0 ] || { cat mlflow-ui.log; return 1; }
 }
@@ -187,9 +236,13 @@ def test_the_generated_readme_and_its_docs_run_in_order_in_a_fresh_bake(
 ) -> None:
     project = bake(tmp_path)
     readme = (project / "README.md").read_text()
-    ran = run_readme(readme, project)
-    for page in linked_pages(readme):
-        ran += run_readme((project / page).read_text(), project, page)
+    warm = WarmChain(project)
+    try:
+        ran = run_readme(readme, project, warm=warm)
+        for page in linked_pages(readme):
+            ran += run_readme((project / page).read_text(), project, page, warm)
+    finally:
+        warm.stop()
     assert any("strategy=fsdp" in line for line in ran)
     assert any("hydra/sweeper=search" in line for line in ran)
 

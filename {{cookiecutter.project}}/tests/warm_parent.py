@@ -27,6 +27,7 @@ workers. Python's hash seed is the warm parent's in every child. Tests about sta
 cold interpreter (plain `subprocess`).
 
     python tests/warm_parent.py SOCKET READY   # READY: a pipe's fd, told "ready" once it serves
+    python tests/warm_parent.py --client SOCKET run.py ...   # as `python run.py ...`, for a shell
 """
 
 import contextlib
@@ -392,8 +393,31 @@ def run_module_as_main(module: str) -> None:
     runpy._run_module_as_main(module)  # what `python -m` calls
 
 
+# --- a shell's side ------------------------------------------------------------------------------
+
+
+def as_client(path: str, argv: list[str]) -> None:
+    """`python <argv>` in place of this process, forked by the warm parent serving at `path` where it
+    can be (a new interpreter otherwise), as a shell sees it: this process's standard streams,
+    working directory and environment; the signals this process takes passed on; the run's exit
+    status as its own (a run that a signal ended ends this process by the same signal)."""
+    command = [sys.executable, *argv]
+    if _started(command) is None:
+        os.execv(sys.executable, command)
+    process = WarmPopen(_ThisWarmParent(path, dict(os.environ), {}), command)
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, lambda number, _: process.send_signal(number))
+    returncode = process.wait()
+    if returncode < 0:
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    sys.exit(returncode)
+
+
 if __name__ == "__main__":
     sys.path.pop(0)  # this folder's, which a run's interpreter would not have
+    if sys.argv[1] == "--client":
+        as_client(sys.argv[2], sys.argv[3:])
     command = serve(sys.argv[1], int(sys.argv[2]))  # in the child only: the warm parent serves until it ends
     _, rest = _started(command)
     if rest[0] == "-m":
