@@ -3,11 +3,13 @@ to the test, the new process `python run.py` would have been. Each check starts 
 twice, as a new interpreter and forked, and compares what each reports and how each ends."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
+import warm_parent
 from conftest import _warm_parent, start
 from warm_parent import WarmPopen
 
@@ -188,3 +190,28 @@ def test_a_forked_runs_sender_is_forked_too_and_ends_as_a_new_interpreters(tmp_p
     command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "no-such-command"]
     sender = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert isinstance(sender, WarmPopen) and [sender.wait(), *sender.communicate()] == reports[True]["ended"]
+
+
+@pytest.mark.parametrize("ending", ["exit 3", signal.SIGTERM], ids=["exit-3", "sigterm"])
+def test_a_shells_client_ends_as_the_run_it_asked_for_ends(probe, ending):
+    """`python tests/warm_parent.py --client SOCKET run.py` (a README's line, in the template's test)
+    is to its shell the run: the run's streams, a signal to the client passed on, the run's end."""
+    client = [sys.executable, warm_parent.__file__, "--client", _warm_parent().path, "run.py"]
+    popen = {"cwd": probe, "stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    ended = {}
+    for forked in (False, True):
+        process = subprocess.Popen(client if forked else client[:1] + client[-1:], **popen)
+        report = json.loads(process.stdout.readline())
+        assert (report["pid"] != process.pid) == forked
+        if isinstance(ending, str):
+            process.stdin.write(ending + "\n")
+        else:
+            process.stdin.write("pause\n")
+        process.stdin.flush()
+        if not isinstance(ending, str):
+            assert process.stderr.readline().startswith("told")  # waiting in signal.pause() now
+            process.send_signal(ending)
+        process.communicate(timeout=120)  # a run left behind would hold the pipes open
+        ended[forked] = process.returncode
+        assert not os.path.exists(f"/proc/{report['pid']}")  # the run itself ended, not only its client
+    assert ended[True] == ended[False] == (3 if ending == "exit 3" else -signal.SIGTERM)
