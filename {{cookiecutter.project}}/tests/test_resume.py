@@ -201,7 +201,7 @@ def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
 
 
 def test_a_resume_that_changes_the_global_batch_says_so_with_the_settings_that_keep_it(make_cfg, client, caplog):
-    recipe.train(make_cfg("trainer.max_steps=10"))
+    recipe.train(make_cfg("trainer.max_steps=10", "data.batch_size=64"))
     with caplog.at_level(logging.INFO):
         resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "data.batch_size=32"))
     said = (
@@ -245,7 +245,7 @@ def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_conti
 
 def test_a_batch_larger_than_the_training_set_is_refused_instead_of_spinning(make_cfg):
     with pytest.raises(RunError, match="data.batch_size=5000 is larger than the 1438 training samples"):
-        recipe.train(make_cfg(QUIET, "data.batch_size=5000"))
+        recipe.train(make_cfg(QUIET, "data.batch_size=5000", "data.val_fraction=0.2"))
 
 
 def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_training(make_cfg):
@@ -314,7 +314,13 @@ def test_the_probe_is_evaluated_in_batches_of_the_size_it_was_saved_with(make_cf
 
 # --- A stop during validation -------------------------------------------------------------------
 
-LONG_VALIDATION = ["data.batch_size=16", "trainer.max_steps=40", "trainer.val_every_n_steps=20"]  # 23 batches
+# 23 batches: the digits' 359 validation samples in batches of 16.
+LONG_VALIDATION = [
+    "data.batch_size=16",
+    "data.val_fraction=0.2",
+    "trainer.max_steps=40",
+    "trainer.val_every_n_steps=20",
+]
 
 
 class Tripwire:

@@ -1032,7 +1032,7 @@ def inputs_of(client: MlflowClient, run_id: str) -> dict[str, tuple[str, str, in
 def test_the_data_is_logged_as_dataset_inputs_by_split_and_another_split_has_another_digest(
     make_cfg, client, checkpoint_dir
 ):
-    first = recipe.train(make_cfg("trainer.max_steps=20"))
+    first = recipe.train(make_cfg("trainer.max_steps=20", "data.val_fraction=0.2"))  # the split it counts
     logged = inputs_of(client, first["run_id"])
     assert logged.keys() == {"training", "validation"}
     assert {name for name, _, _ in logged.values()} == {"digits"}
