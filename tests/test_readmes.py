@@ -50,7 +50,6 @@ REWRITES: list[tuple[str, str, str]] = [
 # Substrings of lines that cannot run here, with why and what covers them instead.
 SKIPPED = {
     "make test": "this test runs inside it",
-    "python -m pytest": "test_end_to_end runs the generated suite",
     "hydra/launcher=slurm": "needs a SLURM cluster: the bake's tests/test_slurm.py runs this line on one it starts",
     "tracking replay": "needs an outage's leftover file; the bake's test_tracking replays one",
     "--nnodes=2": "needs two nodes: the bake's test_distributed runs this form with two torchruns on one machine",
@@ -234,6 +233,8 @@ def test_the_template_readme_runs_in_order_in_a_copy_of_the_checkout(tmp_path: P
 def test_the_generated_readme_and_its_docs_run_in_order_in_a_fresh_bake(
     bake: Callable[..., Path], tmp_path: Path
 ) -> None:
+    """Its `pytest` block is the bake's daily tier on the stock defaults, which the end-to-end test,
+    on a team's own defaults, does not run."""
     project = bake(tmp_path)
     readme = (project / "README.md").read_text()
     warm = WarmChain(project)

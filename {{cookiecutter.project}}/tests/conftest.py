@@ -132,6 +132,12 @@ def _composed(overrides: tuple[tuple[str, str], ...]) -> DictConfig:
     return copy.deepcopy(_compose(overrides))
 
 
+def configured(*overrides: str) -> DictConfig:
+    """What `python run.py <overrides>` composes from the project's configs: the run's name, folder and
+    settings as the user chose them, which a test reads here rather than asserting the template's values."""
+    return _composed(tuple(tuple(override.split("=", 1)) for override in overrides))
+
+
 @pytest.fixture
 def client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri)

@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from conftest import losses, start
+from conftest import configured, losses, start
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint import home, onefile
@@ -93,7 +93,7 @@ def test_keep_best_false_ranks_nothing_and_validates_only_on_schedule(make_cfg, 
 
 
 def test_a_checkpoint_killed_before_its_ranking_is_ranked_by_the_resume_and_kept(project, save_gate):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     settings = [*WORST_IS_BEST, "device=cpu", "trainer.max_steps=40", "trainer.val_every_n_steps=20"]
     settings += ["checkpoint.every_n_steps=10", "checkpoint.async_save=false"]
     gate = save_gate(match=path_of(home, 10).name)  # killed with step 10, the best, renamed into place, not ranked
@@ -186,7 +186,7 @@ def test_a_resume_that_changes_optimized_metric_keeps_the_best_of_the_ranking_be
 
 
 def test_a_fifo_as_the_ranking_is_refused_in_one_line_and_replaced(make_cfg, project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     recipe.train(make_cfg(QUIET, *ONLY_THE_RANKING_KEEPS, f"checkpoint.dir={home}"))
     best = ranked_best(home)
     (home / SCORES).unlink()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG_ROOTS, losses, run_cli, start
+from conftest import CONFIG_ROOTS, configured, losses, run_cli, start
 from omegaconf import OmegaConf
 from test_checkpoints import corrupt
 from test_distributed import CPU, store
@@ -41,11 +41,11 @@ MARGIN = "torch.nn.MultiMarginLoss"
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, tracking_uri) -> Path:
-    """A checkpoint this project wrote: the default run (`demo`) at step 2."""
+    """A checkpoint this project wrote: the configs' default run at step 2."""
     home = tmp_path_factory.mktemp("written")
     cfg, said = composed(home, tracking_uri, QUIET, "trainer.max_steps=2", "checkpoint.every_n_steps=2")
     recipe.train(cfg, said)
-    return home / "demo" / "step_00000002.pt"
+    return home / cfg.name / "step_00000002.pt"
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def placed(entry: str, path: Path, project: Path) -> Path:
     resume=last, else where it is."""
     if entry != "resume=last":
         return path
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     home.mkdir(parents=True)
     return Path(shutil.copy(path, home / "step_00000002.pt"))
 
@@ -338,7 +338,7 @@ def test_a_resume_is_tracked_where_its_command_line_says_whatever_its_checkpoint
     client = store(project)
     (experiment,) = [found for found in client.search_experiments() if found.name != "Default"]
     (run,) = client.search_runs([experiment.experiment_id])
-    assert (experiment.name, run.info.run_name) == ("{{ cookiecutter.project }}", "demo")
+    assert (experiment.name, run.info.run_name) == (configured().mlflow.experiment_name, configured().name)
     assert sorted(losses(client, run.info.run_id)) == [3, 4]
 
 

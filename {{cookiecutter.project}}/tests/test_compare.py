@@ -22,8 +22,9 @@ from {{cookiecutter.package}}.engine.sweeps import figure
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
-ADAMW = ("name=cmp-adamw", "optimizer.lr=0.001")
-SGD = ("name=cmp-sgd", "optimizer=sgd", "optimizer.lr=0.02")
+# Each with a weight decay of its own, as the options give them, whatever the configs give both.
+ADAMW = ("name=cmp-adamw", "optimizer.lr=0.001", "optimizer.weight_decay=0.01")
+SGD = ("name=cmp-sgd", "optimizer=sgd", "optimizer.lr=0.02", "optimizer.weight_decay=0.0")
 # The pair: one run best at step 100 and worse since, to 300; the other ends at 200 below
 # where the first ends, but above its best.
 LONG = {100: 0.5, 200: 0.9, 300: 0.8}
@@ -185,7 +186,7 @@ def test_the_command_in_the_project_folder_reads_its_own_store_and_checkpoints(m
 def test_a_value_planted_in_a_checkpoint_is_shown_without_its_control_characters(make_cfg, homes):
     home = f"checkpoint.dir={homes}/" + "${name}"
     for name in ("cmp-a", "cmp-b"):
-        recipe.train(make_cfg(home, f"name={name}", "mlflow.enabled=false", "trainer.max_steps=5"))
+        recipe.train(make_cfg(home, f"name={name}", "mlflow.enabled=false", "trainer.max_steps=5", "optimizer.lr=3e-3"))
     path = homes / "cmp-b" / "step_00000005.pt"
     state = load(path).state
     state["config"]["optimizer"]["lr"] = "0.5\x1b[2J"  # ESC [2J: clears the screen it is printed on

@@ -32,7 +32,7 @@ def test_a_file_of_yours_wins_over_the_engines_of_the_same_path_and_yours_adds_o
     configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
     choices = yaml.safe_load((configs / "config.yaml").read_text())  # its settings win over any file
     (configs / "config.yaml").write_text(yaml.safe_dump({key: choices[key] for key in ("defaults", "hydra")}))
-    (configs / "optimizer").mkdir()
+    (configs / "optimizer").mkdir(exist_ok=True)
     (configs / "optimizer" / "adamw.yaml").write_text("_target_: torch.optim.AdamW\nlr: 0.125\n")
     (configs / "optimizer" / "slow_sgd.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.001\n")
     assert dict(composed(configs).optimizer) == {"_target_": "torch.optim.AdamW", "lr": 0.125}

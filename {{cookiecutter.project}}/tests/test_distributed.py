@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    configured,
     environ,
     goodput_of,
     losses,
@@ -434,7 +435,7 @@ def test_stopped_with_two_processes_and_resumed_with_one_and_two_workers_each_st
 
 
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=25")
     wait_for_a_save(home, process)
     os.kill(ranks(process)[1], signal.SIGTERM)
@@ -442,7 +443,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(pro
     saved = newest_valid(home)[1]
     assert f"stopped at step {saved['step']} by SIGTERM" in stdout + stderr  # rank 0's line: it stopped too
     assert "exitcode  : 143" in stdout + stderr  # torchrun's report of the ranks' exit
-    assert only_run(store(project), "demo").info.status == "KILLED"
+    assert only_run(store(project), configured().name).info.status == "KILLED"
 
 
 def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_ddp(project):
@@ -455,7 +456,7 @@ def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_
     again = finished(torchrun(project, "trainer.max_steps=60", "resume=last"))
     assert "resumed at step 40 on cpu" in again and "(ok)" in again
     assert "the checkpoint holds the random state of 1 process(es), this run has 2" in again
-    run = only_run(store(project), "demo")
+    run = only_run(store(project), configured().name)
     assert run.data.tags["resumes"] == "2" and run.data.tags["world_size"] == "2"
     assert sorted(losses(store(project), run.info.run_id)) == list(range(1, 61))
 
@@ -464,7 +465,7 @@ def test_a_ddp_checkpoint_resumes_in_one_process_and_a_single_process_one_under_
 def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(project, strategy, victim):
     """A model large enough that each save takes a while: a rank dies while one is being written
     (under fsdp every rank writes its shards, so rank 1 dies mid-save as well as rank 0 could)."""
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     big = ["model.hidden_sizes=[2048,2048]", "trainer.max_steps=100000", "checkpoint.every_n_steps=5"]
     process = torchrun(project, *big, strategy=strategy)
     wait_for_a_save(home, process)
@@ -517,7 +518,7 @@ def test_a_rank_killed_eight_times_under_max_restarts_resumes_each_time_and_fini
     assert process.returncode == 0, output
     resumed = re.findall(r"resumed at step (\d+) on cpu: .* \((\w+)\)", output)
     assert resumed == [(str(every * attempt), "ok") for attempt in range(1, kills + 1)], output
-    run = only_run(store(project), "demo")
+    run = only_run(store(project), configured().name)
     assert run.info.status == "FINISHED" and run.data.tags["resumes"] == str(kills)
     assert goodput_of(run)["legs"] == kills + 1  # every attempt counted, the killed ones by the next
 
@@ -576,7 +577,7 @@ def saving(temporary: Path) -> bool:
 
 
 def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_traceback(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false")
     # Past two saves, every collective a step and a save take has run once: one run for the first
     # time may still meet its peer through torchrun's store, which is held below (a CI run saw rank 0
@@ -598,7 +599,7 @@ def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_
     assert len(said) == 1 and said[0].startswith("error: another process of this job is gone ("), stderr
     assert said[0].endswith(
         "), so this one stops too; the reason is in the first lines of the process that stopped; then continue "
-        "the job from its newest checkpoint with name=demo resume=last"
+        f"the job from its newest checkpoint with name={home.name} resume=last"
     )
     assert newest_valid(home) is not None
 
@@ -659,7 +660,7 @@ def test_ddp_with_nccl_on_every_gpu_trains_in_bf16_with_fused_adamw_and_resumes(
     assert f"{gpus} processes (nccl), this is rank 0" in first and "device: cuda:0" in first
     resumed = finished(torchrun(project, "trainer.max_steps=40", "resume=last", processes=gpus, device=settings))
     assert "resumed at step 20 on cuda:0" in resumed and "(ok)" in resumed
-    saved = newest_valid(project / "checkpoints" / "demo")[1]
+    saved = newest_valid(project / "checkpoints" / configured().name)[1]
     assert len(saved["rng"]["ranks"]) == gpus and saved["rng"]["ranks"][-1]["accelerator"]["type"] == "cuda"
 
 
@@ -673,9 +674,10 @@ def test_a_sweep_job_of_two_submitit_tasks_trains_as_one_ddp_run(project):
     (job,) = (project / "multirun").glob("*/*/0")
     assert '"status": "FINISHED"' in (job / "job_result.json").read_text()
     client = store(project)
-    runs = runs_named(client, "demo", "tags.world_size = '2'")
+    runs = runs_named(client, configured().name, "tags.world_size = '2'")
     (run,) = runs
-    assert run.info.status == "FINISHED" and sorted(losses(client, run.info.run_id)) == list(range(10, 21, 10))
+    every = configured().trainer.log_every_n_steps
+    assert run.info.status == "FINISHED" and sorted(losses(client, run.info.run_id)) == list(range(every, 21, every))
 
 
 # --- checkpoint.remote under torchrun: a job continued on a new machine from a mounted folder ---
@@ -702,10 +704,17 @@ def test_a_job_stopped_on_one_machine_continues_on_another_from_the_remote_on_ev
     (project / "saying.py").write_text(SAYING)
     remote, home = tmp_path / "mounted", project / "checkpoints" / "broken"
     steps = ["trainer.max_steps=40", "checkpoint.every_n_steps=7"]
-    finished(torchrun(project, "name=unbroken", *steps, "data.batch_size=32", strategy=strategy))
+    batch = configured().data.batch_size // 2  # a size the configs do not give: the checkpoint's
+    finished(torchrun(project, "name=unbroken", *steps, f"data.batch_size={batch}", strategy=strategy))
     gate = save_gate(match=str(home))
     saved = stopped_by_sigterm(
-        project, gate, "name=broken", *steps, "data.batch_size=32", f"checkpoint.remote={remote}", strategy=strategy
+        project,
+        gate,
+        "name=broken",
+        *steps,
+        f"data.batch_size={batch}",
+        f"checkpoint.remote={remote}",
+        strategy=strategy,
     )
     assert saved["step"] < 40
     shutil.rmtree(home)  # the machine is gone; the remote folder outlives it
@@ -724,7 +733,7 @@ def test_a_job_stopped_on_one_machine_continues_on_another_from_the_remote_on_ev
     continued = finished(process)
     assert f"resumed at step {saved['step']} on cpu" in continued and "(ok)" in continued
     assert sorted(re.findall(r"rank (\d) starts at step (\d+), data.batch_size=(\d+)", continued)) == [
-        (str(rank), str(saved["step"]), "32") for rank in range(2)
+        (str(rank), str(saved["step"]), str(batch)) for rank in range(2)
     ], continued
     client = store(project)
     broken, unbroken = only_run(client, "broken"), only_run(client, "unbroken")
@@ -739,16 +748,17 @@ def test_a_job_whose_claim_another_machine_took_stops_on_every_rank_at_the_same_
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     settings = ["trainer.max_steps=100000", "checkpoint.every_n_steps=10", "checkpoint.remote_lease_s=0.3"]
     process = torchrun(project, *settings, f"checkpoint.remote={remote}", "strategy.timeout_s=600")
-    committed = f"{prefix}/demo/committed/step_00000010.json"
+    name = configured().name
+    committed = f"{prefix}/{name}/committed/step_00000010.json"
     while "Contents" not in s3.list_objects_v2(Bucket=bucket_name, Prefix=committed):
         assert process.poll() is None, process.communicate()
         time.sleep(0.05)
     other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
-    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/demo/claim.json", Body=json.dumps(other).encode())
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{name}/claim.json", Body=json.dumps(other).encode())
     stdout, stderr = process.communicate(timeout=300)
     said = stdout + stderr
     stops = re.findall(
-        rf"^(\[rank 1\] )?error: lost the claim on {re.escape(remote)}/demo to PID 1 on host-b \(home /b\); this "
+        rf"^(\[rank 1\] )?error: lost the claim on {re.escape(remote)}/{name} to PID 1 on host-b \(home /b\); this "
         rf"machine stops at step (\d+) and uploads nothing more$",
         said,
         re.MULTILINE,
@@ -822,7 +832,8 @@ def test_sigterm_to_torchrun_during_validation_stops_both_ranks_within_a_batch_a
     (project / "gate.py").write_text(GATE_METRIC)
     steps = [
         "trainer.max_steps=30", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10",
-        "data.batch_size=16", "trainer.limit_val_batches=0.271", "+metrics.gate._target_=gate.Gate",
+        "data.batch_size=16", "data.val_fraction=0.2", "trainer.limit_val_batches=0.271",
+        "+metrics.gate._target_=gate.Gate",
     ]  # fmt: skip
     finished(torchrun(project, "name=unbroken", *steps, f"+metrics.gate.counts={project / 'unbroken'}"))
     assert (project / "unbroken" / "rank0").read_text() == str(3 * 4)  # at steps 10, 20 and 30

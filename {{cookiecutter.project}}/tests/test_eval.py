@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from conftest import losses, run_cli, runs_named, start
+from conftest import configured, losses, run_cli, runs_named, start
 from test_distributed import CPU, finished, store, torchrun
 from test_remembered import composed
 from test_tracking import inputs_of
@@ -114,7 +114,11 @@ def test_eval_by_name_computes_as_the_newest_checkpoint_trained_unless_amp_is_ty
 @pytest.mark.parametrize(
     ("first", "asked", "said"),
     [
-        (None, "best", r"checkpoint=best: .* holds no checkpoint of demo; train it first \(python run.py name=demo\)"),
+        (
+            None,
+            "best",
+            r"checkpoint=best: .* holds no checkpoint of {name}; train it first \(python run.py name={name}\)",
+        ),
         (["checkpoint.keep_best=false"], "best", r"names no best checkpoint .*; pass checkpoint=last"),
         ([], "no/such.pt", r"checkpoint=no/such.pt: no such file or folder; pass checkpoint=best, checkpoint=last or"),
         (["model=cnn"], "last", r"was trained with model._target_=.*CNN, .*and this command asks for model._target_="),
@@ -125,13 +129,13 @@ def test_what_names_no_checkpoint_or_another_model_is_one_line(make_cfg, checkpo
     if first is not None:
         recipe.train(make_cfg("mlflow.enabled=false", *first))
     files = on_disk(checkpoint_dir) if checkpoint_dir.exists() else {}
-    with pytest.raises(RunError, match=said):
+    with pytest.raises(RunError, match=said.format(name=re.escape(make_cfg().name))):
         evaluate_checkpoint(make_cfg("mlflow.enabled=false"), asked, tmp_path / "eval")
     assert (on_disk(checkpoint_dir) if checkpoint_dir.exists() else {}) == files
 
 
 def test_eval_py_judges_the_best_while_the_run_trains_and_after_a_kill_and_a_resume(project, save_gate):
-    home, settings = project / "checkpoints" / "demo", [*PEAK, *CPU, "trainer.max_steps=40"]
+    home, settings = project / "checkpoints" / configured().name, [*PEAK, *CPU, "trainer.max_steps=40"]
     settings += ["trainer.val_every_n_steps=20", "checkpoint.every_n_steps=10", "checkpoint.async_save=false"]
     gate = save_gate(match=path_of(home, 30).name)  # the run holds its home, held at its save of step 30
     run = start(project, *settings, env=gate.env)
@@ -148,7 +152,7 @@ def test_eval_py_judges_the_best_while_the_run_trains_and_after_a_kill_and_a_res
     after = run_cli(project, *settings, "checkpoint=best", script="eval.py")
     assert after.returncode == 0, after.stderr
     client = store(project)
-    trained, judged = runs_of(client, "demo")
+    trained, judged = runs_of(client, home.name)
     logged = val_losses(client, trained.info.run_id)
     best = int((home / BEST).read_text().removeprefix("step_").removesuffix(".pt"))
     assert best < 30, "val/loss falls: its highest is at an early save"
@@ -232,7 +236,7 @@ def test_a_damaged_remote_checkpoint_is_skipped_in_one_line_and_none_that_checks
     logged = val_losses(client, recipe.train(make_cfg(*settings))["run_id"])
     best = max(logged, key=logged.get)
     assert best < 30, "the best is an early checkpoint, not the newest"
-    there = mounted / "demo"
+    there = mounted / make_cfg().name
     assert sorted(path.name for path in there.glob("step_*")) == [path_of(there, step).name for step in (best, 30, 40)]
     for step in (40, best):
         damage(path_of(there, step))
@@ -262,20 +266,22 @@ def test_a_damaged_remote_checkpoint_is_skipped_in_one_line_and_none_that_checks
 
     damage(path_of(there, 30))
     shutil.rmtree(checkpoint_dir)
-    nothing = rf"holds no checkpoint of demo, nor checkpoint.remote={re.escape(str(mounted))} one that checks"
+    nothing = (
+        rf"holds no checkpoint of {make_cfg().name}, nor checkpoint.remote={re.escape(str(mounted))} one that checks"
+    )
     with pytest.raises(RunError, match=nothing):
         evaluate_checkpoint(make_cfg(*settings), "last", tmp_path / "eval")
 
 
 def test_eval_py_on_a_machine_without_the_runs_home_reads_it_from_a_mounted_folder_by_name_or_as_last(project):
-    home, remote = project / "checkpoints" / "demo", f"checkpoint.remote={project / 'mounted'}"
+    home, remote = project / "checkpoints" / configured().name, f"checkpoint.remote={project / 'mounted'}"
     settings = ["trainer.max_steps=20", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
     trained = run_cli(project, *CPU, *settings, remote)
     assert trained.returncode == 0, trained.stderr
     client = store(project)
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, configured().name)
     logged = val_losses(client, run.info.run_id)[20]
-    for typed in (["checkpoint=last"], ["name=judge", "checkpoint=demo"]):
+    for typed in (["checkpoint=last"], ["name=judge", f"checkpoint={home.name}"]):
         shutil.rmtree(home)
         judged = run_cli(project, *CPU, *typed, remote, script="eval.py")
         assert judged.returncode == 0, judged.stderr

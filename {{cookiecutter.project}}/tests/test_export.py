@@ -11,7 +11,7 @@ import stat
 
 import pytest
 import torch
-from conftest import BASE, CONFIG_ROOTS, PROJECT, losses, run_cli
+from conftest import BASE, CONFIG_ROOTS, PROJECT, configured, losses, run_cli
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from test_cli import on_a_small_disk, small_disk
@@ -137,7 +137,8 @@ def test_a_run_whose_data_folder_moved_exports_with_the_new_place_typed_and_othe
 
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
         defaults = compose("config")
-    recipe.train(typed("data=text_folder", f"data.dir={texts}", *tiny_gpt, "trainer.max_steps=2")[0])
+    split = ["data.val_fraction=0.1", "data.batch_size=8"]  # the 40 lines' own, whatever the configs give all data
+    recipe.train(typed("data=text_folder", f"data.dir={texts}", *split, *tiny_gpt, "trainer.max_steps=2")[0])
     texts.rename(moved)
 
     cfg, said = typed(f"+data.dir={moved}", "data.val_fraction=0.5")
@@ -168,7 +169,8 @@ ls -A "$DISK"
 @small_disk
 def test_an_export_onto_a_full_or_a_read_only_disk_is_one_line_and_leaves_nothing(make_cfg, project, tmp_path):
     """safetensors writes in Rust, and says a failed write in a SafetensorError, not an OSError."""
-    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.dir={project}/checkpoints/demo"))
+    home = f"checkpoint.dir={project}/checkpoints/{make_cfg().name}"  # where export.py looks for the configs' run
+    recipe.train(make_cfg("mlflow.enabled=false", "trainer.max_steps=10", home))
     disk = tmp_path / "disk"
     result = on_a_small_disk(project, disk, ONTO_A_FULL_THEN_A_READ_ONLY_DISK)
     assert result.stdout.split() == ["exit", "2", "exit", "2"], "nothing left behind, not even a scratch file"
@@ -183,7 +185,7 @@ def test_an_export_onto_a_full_or_a_read_only_disk_is_one_line_and_leaves_nothin
 def test_shards_export_as_the_whole_model_and_a_crafted_metadata_is_refused(project, tmp_path):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
     assert trained.returncode == 0, trained.stderr
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     exported = run_cli(project, *CPU, "checkpoint=last", f"out={tmp_path / 'model.safetensors'}", script="export.py")
     assert exported.returncode == 0, exported.stderr
     weights = load_file(tmp_path / "model.safetensors")
@@ -209,7 +211,7 @@ def test_shards_export_as_the_whole_model_and_a_crafted_metadata_is_refused(proj
 def test_export_py_with_the_runs_home_gone_writes_from_the_remote_the_model_its_home_gave(project):
     """`checkpoint=best` on a machine without the run's home: the best (an early checkpoint, not the
     newest) fetched from checkpoint.remote, exported as the intact home exported it."""
-    home, remote = project / "checkpoints" / "demo", f"checkpoint.remote={project / 'mounted'}"
+    home, remote = project / "checkpoints" / configured().name, f"checkpoint.remote={project / 'mounted'}"
     settings = ["trainer.max_steps=30", "trainer.val_every_n_steps=10", "checkpoint.every_n_steps=10"]
     trained = run_cli(project, *CPU, *settings, "optimized_mode=max", "checkpoint.keep_last=1", remote)
     assert trained.returncode == 0, trained.stderr

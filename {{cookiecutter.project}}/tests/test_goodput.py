@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import goodput_of, run_cli, runs_named, start, wait_for_a_save
+from conftest import configured, goodput_of, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine import goodput
@@ -39,14 +39,14 @@ def check_adds_up(leg: dict) -> None:
 
 def the_run(project: Path):
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, configured().name)
     return client, run
 
 
 def test_a_sigterm_leg_and_the_next_each_add_up_and_the_metrics_continue_in_one_run(project):
     began = time.time()
     first = start(project, *ENDLESS)
-    wait_for_a_save(project / "checkpoints" / "demo", first)
+    wait_for_a_save(project / "checkpoints" / configured().name, first)
     first.send_signal(signal.SIGTERM)
     said = "".join(first.communicate(timeout=120))
     ended = time.time()
@@ -55,7 +55,7 @@ def test_a_sigterm_leg_and_the_next_each_add_up_and_the_metrics_continue_in_one_
     stopped = int(stop[1])
     assert re.search(r"goodput \d\.\d\d over 1 leg \(", said), said
 
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     (leg,) = legs(home)
     check_adds_up(leg)
     # The process's own life, from its start (which Linux gives to 10 ms, and the uptime it is read against too).
@@ -84,7 +84,7 @@ def test_a_sigterm_leg_and_the_next_each_add_up_and_the_metrics_continue_in_one_
 
 
 def test_a_leg_killed_without_warning_is_counted_and_the_steps_it_loses_are_trained_again(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     first = start(project, *ENDLESS, "checkpoint.every_n_steps=1000")
     wait_for_a_save(home, first)
     saved = int((home / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
@@ -117,7 +117,7 @@ def test_a_leg_killed_without_warning_is_counted_and_the_steps_it_loses_are_trai
 def test_an_account_the_run_did_not_write_is_set_aside_in_one_line_and_never_written_through(project, planted):
     short = ["device=cpu", "trainer.max_steps=20", "checkpoint.every_n_steps=10"]
     assert run_cli(project, *short).returncode == 0
-    home, victim = project / "checkpoints" / "demo", project / "victim.json"
+    home, victim = project / "checkpoints" / configured().name, project / "victim.json"
     (theirs,) = legs(home)
     victim.write_text(json.dumps({"legs": [theirs, theirs]}))
     (home / LEDGER).unlink()
@@ -313,7 +313,7 @@ def test_a_leg_behind_a_shell_counts_from_its_python_interpreters_start_not_the_
         cwd=project, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert shell.returncode == 0, shell.stdout + shell.stderr
-    (leg,) = legs(project / "checkpoints" / "demo")
+    (leg,) = legs(project / "checkpoints" / configured().name)
     check_adds_up(leg)
     shell_s = done.stat().st_mtime - launched
     assert shell_s >= 0.98  # the `sleep 1`, less a tick of the kernel's coarse clock that stamps mtimes
@@ -327,7 +327,7 @@ def test_each_job_of_a_sweep_in_one_process_counts_from_its_own_start(project):
     sweep = run_cli(project, "-m", "optimizer.lr=1e-3,2e-3,3e-3", "device=cpu", "trainer.max_steps=10", timeout=600)
     ended = time.time()
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
-    homes = sorted((project / "checkpoints" / "demo").iterdir())
+    homes = sorted((project / "checkpoints" / configured().name).iterdir())
     jobs = sorted((legs(home)[0] for home in homes), key=lambda leg: leg["started"])
     assert len(jobs) == 3
     for leg in jobs:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import goodput_of, losses, runs_named, start
+from conftest import configured, goodput_of, losses, runs_named, start
 from test_cli import descendants
 from test_distributed import ranks, torchrun
 
@@ -70,7 +70,7 @@ def test_a_callback_state_no_checkpoint_can_hold_stops_the_run_at_that_save_in_o
     assert str(raised.value).startswith(f"callbacks.keeper (test_hook_limits.Keeper) holds {said}")
     assert str(raised.value).endswith(
         f"; the newest checkpoint on disk is {path_of(checkpoint_dir, 10)}; fix it, then continue from it with "
-        f"name=demo resume=last"
+        f"name={configured().name} resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]  # nothing of step 20
     if holds == "path":
@@ -124,7 +124,7 @@ def test_a_callback_state_that_contains_itself_or_nests_too_deep_stops_the_run_a
     assert str(raised.value) == (
         f"callbacks.shaped (test_hook_limits.Shaped) holds a state {said}, which a checkpoint does not take, so "
         f"nothing is saved; {instead}; the newest checkpoint on disk is {path_of(checkpoint_dir, 10)}; fix it, then "
-        f"continue from it with name=demo resume=last"
+        f"continue from it with name={configured().name} resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]
 
@@ -176,7 +176,7 @@ def test_a_hook_past_trainer_hook_timeout_s_stops_the_run_in_one_line_after_the_
     assert str(raised.value) == (
         "callbacks.stuck (test_hook_limits.Stuck) did not return from on_validation_end within "
         "trainer.hook_timeout_s=0.5 s (raise it if the hook needs longer); the newest checkpoint on disk is "
-        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with name=demo resume=last"
+        f"{path_of(checkpoint_dir, 10)}; fix it, then continue from it with name={configured().name} resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10]
     result = recipe.train(make_cfg(*SETTINGS, "trainer.max_steps=30", "resume=last"))
@@ -277,7 +277,9 @@ def test_a_stop_interrupts_a_held_hook_and_saves_unless_a_callback_in_it_keeps_s
     else:
         said = f"saved {path_of(checkpoint_dir, 20)}"
         assert f"{interrupted}; the run's later hooks are skipped" in caplog.messages
-    assert f"stopped at step 20 by SIGTERM; {said}; continue with name=demo resume=last" in caplog.messages
+    assert (
+        f"stopped at step 20 by SIGTERM; {said}; continue with name={configured().name} resume=last" in caplog.messages
+    )
     assert sorted(step for step, _ in steps(checkpoint_dir)) == ([10] if keeps else [10, 20])
     result = recipe.train(make_cfg(*SETTINGS, "resume=last"))
     assert result["step"] == 40 and result["continuity"] == "ok"
@@ -306,7 +308,7 @@ def test_a_stop_in_the_last_steps_hook_is_said_swallowed_or_not_and_the_run_ends
     resume validates it, logs the models and ends FINISHED."""
     caplog.set_level(logging.INFO)
     name = f"last-{swallows}"
-    settings = [*SETTINGS, f"name={name}", "trainer.max_steps=30", "mlflow.log_models=final"]
+    settings = [*SETTINGS, f"name={name}", "trainer.max_steps=30", "checkpoint.keep_last=3", "mlflow.log_models=final"]
     with pytest.raises(SystemExit) as stopped:
         recipe.train(
             make_cfg(*settings, "+callbacks.last._target_=test_hook_limits.LastStep", f"+callbacks.last.swallows={swallows}")
@@ -369,14 +371,16 @@ def held_run(
 
 
 def test_sigterm_reaches_a_run_held_in_a_hook_which_stops_saved_without_a_traceback(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     with held_run(project) as process:
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stdout + stderr
     lines = (stdout + stderr).splitlines()
-    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name=demo resume=last" in lines
+    assert (
+        f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name={home.name} resume=last" in lines
+    )
     assert load(path_of(home, 20)).step == 20
 
 
@@ -395,13 +399,13 @@ def test_the_stop_line_names_the_run_and_its_words_typed_as_printed_continue_tha
     stdout, stderr = continued.communicate(timeout=120)
     assert continued.returncode == 0, stderr
     assert max(step for step, _ in steps(project / "checkpoints" / "w-int")) == 30
-    assert "nothing to train" not in stdout + stderr and not (project / "checkpoints" / "demo").exists()
+    assert "nothing to train" not in stdout + stderr and not (project / "checkpoints" / configured().name).exists()
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_newest_checkpoint(project, save_gate):
     """The first Ctrl-C interrupts the held hook; the run then saves, held at that save (the gate),
     where the second one stops it."""
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     gate = save_gate(when="before", match="step_00000020")
     with held_run(project, "checkpoint.async_save=false", env=gate.env) as process:
         process.send_signal(signal.SIGINT)
@@ -411,7 +415,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_newest_checkpoi
     assert process.returncode == 128 + signal.SIGINT, stderr
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr
     assert stdout.splitlines()[-1] == (
-        "stopped at once by a second Ctrl-C: nothing more is saved; continue from it with name=demo resume=last"
+        f"stopped at once by a second Ctrl-C: nothing more is saved; continue from it with name={home.name} resume=last"
     )
     assert [step for step, _ in steps(home)] == [10] and not list(home.glob("*.tmp"))
     assert load(path_of(home, 10)).step == 10
@@ -419,13 +423,15 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_newest_checkpoi
 
 def test_under_ddp_a_stop_that_reaches_one_rank_held_in_a_hook_stops_both_at_that_step_saved(project):
     """Rank 1 alone is held, and alone signalled; rank 0, done with its hook, waits for it."""
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     with held_run(project, "+callbacks.stuck.rank=1", launch=torchrun) as process:
         os.kill(ranks(process)[1], signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=120)
     assert "exitcode  : 143" in stdout + stderr  # torchrun's report of the ranks' exit
     lines = (stdout + stderr).splitlines()
-    assert f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name=demo resume=last" in lines
+    assert (
+        f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name={home.name} resume=last" in lines
+    )
     assert len(load(path_of(home, 20)).part("rng")["ranks"]) == 2
 
 
@@ -458,7 +464,7 @@ class Forever:
 def test_a_hook_that_swallows_every_interrupt_or_takes_every_signal_over_ends_the_process_in_one_line(project, how):
     """Nothing raised into the main thread can stop such a hook: the watchdog ends the process, as a
     kill would, once the hook has held the run its bound and as long again."""
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     (project / "forever_callbacks.py").write_text(FOREVER)
     process = start(
         project, *SETTINGS, "trainer.hook_timeout_s=0.5", "+callbacks.forever._target_=forever_callbacks.Forever",
@@ -475,7 +481,7 @@ def test_a_hook_that_swallows_every_interrupt_or_takes_every_signal_over_ends_th
         "error: callbacks.forever (forever_callbacks.Forever) did not return from on_validation_end within "
         "trainer.hook_timeout_s=0.5 s (raise it if the hook needs longer), nor 0.5 s after it was interrupted: the "
         "process ends here, as at a kill; nothing after the newest checkpoint is saved; fix it, then continue from it "
-        "with name=demo resume=last"
+        f"with name={home.name} resume=last"
     ) in stderr.splitlines()
     assert [step for step, _ in steps(home)] == [10] and not list(home.glob("*.tmp"))
     assert load(path_of(home, 10)).step == 10

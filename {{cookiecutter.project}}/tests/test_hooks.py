@@ -85,7 +85,7 @@ def test_a_callback_that_raises_stops_the_run_in_one_line_after_the_last_good_ch
     assert str(raised.value) == (
         "callbacks.counting (test_hooks.Counting) raised in on_validation_end: ValueError: no figure at step 30; "
         f"the newest checkpoint on disk is {path_of(checkpoint_dir, 20)}; fix it, then continue from it with "
-        f"name=demo resume=last"
+        f"name={make_cfg().name} resume=last"
     )
     assert [step for step, _ in steps(checkpoint_dir)] == [10, 20]  # nothing of step 30
     result = recipe.train(make_cfg(*QUIET, COUNTING, "+callbacks.counting.fail_at=null", "resume=last"))

@@ -105,7 +105,8 @@ def test_a_resume_of_a_finished_run_says_so_and_leaves_the_run_and_its_checkpoin
     again = run_cli(project, *settings, *where, "resume=last")
     assert again.returncode == 0, again.stderr
     said = (again.stdout + again.stderr).splitlines()
-    assert "demo finished at step 20 already: nothing to train; raise trainer.max_steps to continue" in said
+    finished = f"{make_cfg().name} finished at step 20 already: nothing to train; raise trainer.max_steps to continue"
+    assert finished in said
     assert not any(line.startswith(("resumed at step", "finished at step")) for line in said), said
     assert snapshot(client, run_id) == before
     assert checkpoint_files(checkpoint_dir) == on_disk
@@ -117,8 +118,8 @@ def test_a_resume_of_a_run_stopped_early_says_so_and_returns_its_scores_logging_
     with caplog.at_level(logging.INFO):
         again = recipe.train(make_cfg(*PATIENT, "resume=last"))
     assert (
-        "demo stopped early at step 15 already: nothing to train; raise trainer.early_stopping.patience to continue"
-        in caplog.messages
+        f"{make_cfg().name} stopped early at step 15 already: nothing to train; raise trainer.early_stopping.patience "
+        "to continue" in caplog.messages
     )
     assert again["step"] == 15 and again["run_id"] == stopped["run_id"]
     assert again["val/loss"] == stopped["val/loss"], "the scores of the same weights, evaluated again"

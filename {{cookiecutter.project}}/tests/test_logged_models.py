@@ -10,7 +10,7 @@ import sys
 import mlflow
 import pytest
 import torch
-from conftest import losses, run_cli, runs_named, start
+from conftest import configured, losses, run_cli, runs_named, start
 from mlflow.entities import LoggedModelStatus
 from test_distributed import CPU, store
 from test_export import val_loss
@@ -119,7 +119,7 @@ def test_a_sharded_checkpoint_is_logged_as_one_model(project, make_cfg):
     trained = run_cli(project, *ALONE, "trainer.max_steps=10", "checkpoint.every_n_steps=5", "mlflow.log_models=best")
     assert trained.returncode == 0, trained.stderr
     client = store(project)
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, configured().name)
     (model,) = models_of(client, run.info.run_id).values()
     logged = {step: values[-1] for step, values in losses(client, run.info.run_id, "val/loss").items()}
     step = next(metric.step for metric in model.metrics if metric.key == "val/loss")
@@ -147,14 +147,14 @@ class Branchy(nn.Module):
 
 def test_a_model_that_cannot_be_logged_warns_and_the_run_ends_finished_with_its_metrics(project):
     (project / "branchy.py").write_text(BRANCHY)  # importable from the project folder, the sender's too
-    (project / "configs" / "model").mkdir()  # an option of yours beside the engine's
+    (project / "configs" / "model").mkdir(exist_ok=True)  # an option of yours beside the engine's
     (project / "configs" / "model" / "branchy.yaml").write_text("_target_: branchy.Branchy\n")
     run = start(project, *CPU, "model=branchy", "trainer.max_steps=10", "mlflow.log_models=best")
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 0, stderr
     assert "the best model was not logged to MLflow" in stdout + stderr
     client = store(project)
-    (logged,) = runs_named(client, "demo")
+    (logged,) = runs_named(client, configured().name)
     assert logged.info.status == "FINISHED" and "val/loss" in logged.data.metrics
     (failed,) = models_of(client, logged.info.run_id).values()  # MLflow lists the attempt as failed
     assert failed.status == LoggedModelStatus.FAILED

@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import losses, run_cli, start, wait_for_exit
+from conftest import configured, losses, run_cli, start, wait_for_exit
 from mlflow import MlflowClient
 from test_distributed import CPU, torchrun
 
@@ -43,7 +43,7 @@ def test_a_kill_9_right_after_a_save_loses_no_metric_of_the_steps_it_covers(proj
         process = start(project, *settings, *["resume=last"] * bool(senders), env=gate.env, cold=True)
         senders.append(kill_at_the_gate(gate.wait(process)))
         process.communicate(timeout=60)
-        assert newest_valid(project / "checkpoints" / "demo")[1]["step"] == killed_at
+        assert newest_valid(project / "checkpoints" / configured().name)[1]["step"] == killed_at
     resumed = run_cli(project, *settings, "resume=last")
     assert resumed.returncode == 0, resumed.stderr
     assert_each_step_logged_once(project, senders, 40)
@@ -88,7 +88,7 @@ def children(pid: int) -> list[int]:
 def assert_each_step_logged_once(project: Path, senders: list[int], steps: int) -> None:
     for sender in senders:  # the killed legs' senders deliver what they were handed, then end
         wait_for_exit(sender)
-    run_id = newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
+    run_id = newest_valid(project / "checkpoints" / configured().name)[1]["tracker"]["run_id"]
     logged = losses(MlflowClient(f"sqlite:///{project / 'mlflow.db'}"), run_id)
     missing = [step for step in range(1, steps + 1) if step not in logged]
     twice = [step for step, values in logged.items() if len(values) > 1]

@@ -53,9 +53,9 @@ def test_a_checkpoint_copied_into_another_names_home_leaves_its_run_alone_and_go
     capfd.readouterr()
 
     m1 = recipe.train(make_cfg("name=m1", "trainer.max_steps=30", f"checkpoint.dir={m1_home}", "resume=last"))["run_id"]
-    experiment = make_cfg().mlflow.experiment_name
+    experiment, name = make_cfg().mlflow.experiment_name, make_cfg().name
     assert lines_naming(capfd.readouterr().err, demo) == [
-        f"{m1_home / 'step_00000020.pt'} names MLflow run {demo}, the run 'demo' in experiment {experiment!r}, not "
+        f"{m1_home / 'step_00000020.pt'} names MLflow run {demo}, the run {name!r} in experiment {experiment!r}, not "
         f"this run ('m1' in {experiment!r}); that run is left as it is, and this one {OWN}"
     ]
     after = client.get_run(demo)
@@ -93,10 +93,10 @@ def test_a_checkpoint_whose_run_is_in_another_projects_experiment_goes_on_in_a_r
     )
     capfd.readouterr()
     ours = recipe.train(make_cfg("trainer.max_steps=20", f"checkpoint.dir={home}", "resume=last"))
-    experiment = make_cfg().mlflow.experiment_name
+    experiment, name = make_cfg().mlflow.experiment_name, make_cfg().name
     assert lines_naming(capfd.readouterr().err, OWN) == [
-        f"{home / 'step_00000010.pt'} names MLflow run {theirs['run_id']}, the run 'demo' in experiment "
-        f"'their-project', not this run ('demo' in {experiment!r}); that run is left as it is, and this one {OWN}"
+        f"{home / 'step_00000010.pt'} names MLflow run {theirs['run_id']}, the run {name!r} in experiment "
+        f"'their-project', not this run ({name!r} in {experiment!r}); that run is left as it is, and this one {OWN}"
     ]
     assert ours["run_id"] not in (None, theirs["run_id"])
     assert client.get_run(ours["run_id"]).info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
@@ -106,7 +106,7 @@ def test_a_checkpoint_whose_run_is_in_another_projects_experiment_goes_on_in_a_r
 
 
 def test_the_current_tags_hold_the_settings_of_the_last_leg_and_the_params_those_of_the_first(make_cfg, client):
-    first = ["trainer.max_steps=10", "trainer.grad_clip=1.0"]
+    first = ["trainer.max_steps=10", "trainer.grad_clip=1.0", "optimizer.lr=0.003"]
     run_id = recipe.train(make_cfg(*first))["run_id"]
     params = client.get_run(run_id).data.params
     assert current(client, run_id) == params == record(make_cfg(*first), World(torch.device("cpu")), {})[0]
@@ -138,7 +138,8 @@ def test_a_finished_checkpoint_copied_into_another_names_home_logs_no_model_into
     said = ["name=m1", "trainer.max_steps=20", f"checkpoint.dir={m1_home}", "resume=last", "mlflow.log_models=best"]
     recipe.train(make_cfg(*said))
     assert lines_naming(capfd.readouterr().err, demo) == [
-        f"the checkpoint names MLflow run {demo}, the run 'demo' in experiment {make_cfg().mlflow.experiment_name!r}, "
+        f"the checkpoint names MLflow run {demo}, the run {make_cfg().name!r} in experiment "
+        f"{make_cfg().mlflow.experiment_name!r}, "
         "not this run ('m1'): that run is left as it is, and no model is logged to it"
     ]
     experiment = client.get_run(demo).info.experiment_id

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import losses, runs_named
+from conftest import configured, losses, runs_named
 from mlflow import MlflowClient
 
 # Samples around four centres. The training set draws fresh noise each time a sample is read, as
@@ -123,7 +123,7 @@ def test_a_model_and_a_dataset_from_another_package_train_and_resume_bit_for_bit
     assert "resumed at step 20 on cpu" in resumed.stdout and "(ok)" in resumed.stdout
 
     client, reference_run = only_run(project, "reference")
-    _, resumed_run = only_run(project, "demo")
+    _, resumed_run = only_run(project, configured().name)
     expected = losses(client, reference_run.info.run_id)
     assert sorted(expected) == list(range(1, 41))
     assert losses(client, resumed_run.info.run_id) == expected
@@ -222,7 +222,7 @@ def test_a_regression_over_dict_batches_trains_and_resumes_bit_for_bit_by_config
     assert "resumed at step 20 on cpu" in resumed.stdout and "(ok)" in resumed.stdout
 
     client, reference_run = only_run(project, "reference")
-    _, resumed_run = only_run(project, "demo")
+    _, resumed_run = only_run(project, configured().name)
     expected = losses(client, reference_run.info.run_id)
     assert sorted(expected) == list(range(1, 41))
     assert losses(client, resumed_run.info.run_id) == expected

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BASE, CONFIG_ROOTS, PROJECT, losses, run_cli, runs_named
+from conftest import BASE, CONFIG_ROOTS, PROJECT, configured, losses, run_cli, runs_named
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_distributed import CPU, store
@@ -64,32 +64,36 @@ def test_a_resume_by_name_takes_the_runs_settings_and_changes_only_what_it_types
 
 
 def test_a_fine_tune_resumes_without_its_init_settings_and_keeps_its_layers_frozen(typed, tmp_path):
+    source_name = configured().name
     recipe.train(*typed("trainer.max_steps=10", "mlflow.enabled=false"))
-    fine_tune = ["name=ft", "init.checkpoint=demo", "init.ignore=[head.*]", "init.freeze=[body.*]"]
+    fine_tune = ["name=ft", f"init.checkpoint={source_name}", "init.ignore=[head.*]", "init.freeze=[body.*]"]
     recipe.train(*typed(*fine_tune, "trainer.max_steps=10", "mlflow.enabled=false"))
     resumed = recipe.train(*typed("name=ft", "resume=last", "trainer.max_steps=20", "mlflow.enabled=false"))
     assert resumed["step"] == 20
-    source, saved = (newest_valid(tmp_path / "checkpoints" / name) for name in ("demo", "ft"))
+    source, saved = (newest_valid(tmp_path / "checkpoints" / name) for name in (source_name, "ft"))
     assert saved.step == 20 and saved.config["init"]["freeze"] == ["body.*"]
     for key, tensor in saved.part("model").items():
         assert torch.equal(tensor, source.part("model")[key]) == key.startswith("body."), key
 
 
 def test_typed_settings_win_even_at_their_defaults_and_derived_ones_follow_unless_the_run_set_them(typed):
+    defaults = configured()
+    steps, lr = defaults.trainer.max_steps, defaults.optimizer.lr
+
     def resumed_from(*trained: str):
         saved = OmegaConf.to_container(typed(*LM, "strategy=fsdp", *trained)[0], resolve=True)
-        cfg, said = typed("name=lm", "resume=last", "trainer.max_steps=300", "optimizer.lr=3e-3")  # the defaults'
+        cfg, said = typed("name=lm", "resume=last", f"trainer.max_steps={steps}", f"optimizer.lr={lr}")  # the defaults'
         return merged(cfg, PROJECT / "step_00000010.pt", saved, said, cfg.keys())  # a path its messages would name
 
     derived = resumed_from("optimizer.lr=1e-3")
     assert (derived.model._target_, derived.model.width, derived.data.block_size) == ("{{cookiecutter.package}}.models.GPT", 16, 16)
     assert list(derived.metrics) == ["perplexity"]
     assert derived.strategy.type == "single", "where and how it runs is this command line's: one process here"
-    assert (derived.trainer.max_steps, derived.optimizer.lr, derived.scheduler.total_steps) == (300, 3e-3, 300)
+    assert (derived.trainer.max_steps, derived.optimizer.lr, derived.scheduler.total_steps) == (steps, lr, steps)
     assert resumed_from("scheduler.total_steps=100").scheduler.total_steps == 100
     # Where its checkpoints are mirrored is this command line's too (none here), never the checkpoint's.
     mirrored = resumed_from("checkpoint.remote=s3://bkt/runs", "checkpoint.remote_wait_s=100").checkpoint
-    assert (mirrored.remote, mirrored.remote_wait_s) == (None, 25)
+    assert (mirrored.remote, mirrored.remote_wait_s) == (None, defaults.checkpoint.remote_wait_s)
 
 
 def test_run_eval_and_export_py_take_a_char_lm_run_by_its_name_alone(project, tmp_path):

@@ -103,7 +103,7 @@ def test_setup_restores_after_the_move_so_every_tensor_lands_on_the_target_devic
 
 
 def test_resume_with_a_new_learning_rate_applies_it_and_says_so(make_cfg, client, caplog):
-    first = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=20"))
+    first = recipe.train(make_cfg("scheduler=constant", "trainer.max_steps=20", "optimizer.lr=3e-3"))
     assert losses(client, first["run_id"], "train/lr")[20] == [3e-3]
     with caplog.at_level(logging.INFO):
         resumed = recipe.train(
@@ -116,7 +116,7 @@ def test_resume_with_a_new_learning_rate_applies_it_and_says_so(make_cfg, client
 
 
 def test_resume_into_a_changed_model_names_the_mismatching_keys(make_cfg, checkpoint_dir):
-    recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
+    recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false", "model.hidden_sizes=[128,64]"))
     with pytest.raises(RunError) as raised:
         recipe.train(make_cfg("trainer.max_steps=20", "mlflow.enabled=false", "model.hidden_sizes=[32]", "resume=last"))
     message = str(raised.value)
@@ -159,7 +159,8 @@ def test_a_fresh_run_refuses_to_overwrite_a_named_runs_checkpoints(make_cfg, che
     with pytest.raises(RunError) as raised:
         recipe.train(make_cfg("trainer.max_steps=10", "mlflow.enabled=false"))
     assert (
-        f"already holds checkpoints of 'demo'; continue them with name=demo checkpoint.dir={checkpoint_dir} "
+        f"already holds checkpoints of {make_cfg().name!r}; continue them with name={make_cfg().name} "
+        f"checkpoint.dir={checkpoint_dir} "
         "resume=last, or start a separate run with name=<new name>"
     ) in str(raised.value)
     assert {path.name: path.read_bytes() for path in checkpoint_dir.glob("step_*")} == saved
@@ -200,7 +201,7 @@ def test_a_checkpoint_of_another_run_is_refused_and_that_run_is_left_as_it_was(
 
 
 def test_a_resume_that_changes_the_global_batch_says_so_with_the_settings_that_keep_it(make_cfg, client, caplog):
-    recipe.train(make_cfg("trainer.max_steps=10"))
+    recipe.train(make_cfg("trainer.max_steps=10", "data.batch_size=64"))
     with caplog.at_level(logging.INFO):
         resumed = recipe.train(make_cfg("trainer.max_steps=20", "resume=last", "data.batch_size=32"))
     said = (
@@ -244,7 +245,7 @@ def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_conti
 
 def test_a_batch_larger_than_the_training_set_is_refused_instead_of_spinning(make_cfg):
     with pytest.raises(RunError, match="data.batch_size=5000 is larger than the 1438 training samples"):
-        recipe.train(make_cfg(QUIET, "data.batch_size=5000"))
+        recipe.train(make_cfg(QUIET, "data.batch_size=5000", "data.val_fraction=0.2"))
 
 
 def test_a_validation_fraction_too_small_to_hold_a_sample_is_refused_before_training(make_cfg):
@@ -313,7 +314,13 @@ def test_the_probe_is_evaluated_in_batches_of_the_size_it_was_saved_with(make_cf
 
 # --- A stop during validation -------------------------------------------------------------------
 
-LONG_VALIDATION = ["data.batch_size=16", "trainer.max_steps=40", "trainer.val_every_n_steps=20"]  # 23 batches
+# 23 batches: the digits' 359 validation samples in batches of 16.
+LONG_VALIDATION = [
+    "data.batch_size=16",
+    "data.val_fraction=0.2",
+    "trainer.max_steps=40",
+    "trainer.val_every_n_steps=20",
+]
 
 
 class Tripwire:
@@ -377,7 +384,7 @@ def test_a_sigterm_during_validation_leaves_it_within_a_batch_saves_and_resumes_
     said = next(line for line in caplog.messages if line.startswith("stopped at step"))
     assert re.fullmatch(
         rf"stopped at step 20 by SIGTERM during validation, left at a batch boundary \d+\.\d\d s after the signal; "
-        rf"saved {re.escape(str(path))}; continue with name=demo resume=last",
+        rf"saved {re.escape(str(path))}; continue with name={re.escape(saved['config']['name'])} resume=last",
         said,
     ), said
     leg = json.loads((checkpoint_dir / LEDGER).read_text())["legs"][-1]

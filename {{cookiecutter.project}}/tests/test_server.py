@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import losses, run_cli, runs_named, start
+from conftest import configured, losses, run_cli, runs_named, start
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
@@ -69,9 +69,9 @@ def test_a_run_logs_to_a_real_server_over_http(project, server):
     )
     assert result.returncode == 0, result.stderr
     client = MlflowClient(server.uri)
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, configured().name)
     assert run.info.status == "FINISHED"
-    assert run.data.params["optimizer.lr"] == "0.003" and run.data.tags["device"] == "cpu"
+    assert run.data.params["optimizer.lr"] == str(configured().optimizer.lr) and run.data.tags["device"] == "cpu"
     assert sorted(losses(client, run.info.run_id)) == [5, 10, 15, 20, 25, 30]
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["config.yaml", "provenance"]
 
@@ -79,7 +79,7 @@ def test_a_run_logs_to_a_real_server_over_http(project, server):
 def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_metrics_and_ends_it(
     project, server, save_gate
 ):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     gate = save_gate()  # the run waits at its first save while the server stops: it is mid-run, however fast
     process = start(
         project, f"mlflow.tracking_uri={server.uri}", "trainer.max_steps=4000", "checkpoint.every_n_steps=50",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import losses, run_cli
+from conftest import configured, losses, run_cli
 from test_distributed import CPU, finished, only_run, store, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -51,7 +51,7 @@ def reseal(folder: Path, name: str) -> None:
 
 def test_a_crafted_metadata_is_refused_in_one_line_and_its_payload_never_runs(project, tmp_path):
     train_alone(project, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
-    home, marker = project / "checkpoints" / "demo", tmp_path / "payload-ran"
+    home, marker = project / "checkpoints" / configured().name, tmp_path / "payload-ran"
     newest = home / "step_00000010"
     (newest / sharded.METADATA).write_bytes(pickle.dumps(Payload(marker)))
     reseal(newest, sharded.METADATA)
@@ -96,7 +96,7 @@ def test_values_stored_beside_the_tensors_load_as_plain_values_only(tmp_path):
 
 def test_a_damaged_shard_is_found_before_load_and_resume_last_falls_back(project):
     train_alone(project, "trainer.max_steps=10", "checkpoint.every_n_steps=5")
-    newest = project / "checkpoints" / "demo" / "step_00000010"
+    newest = project / "checkpoints" / configured().name / "step_00000010"
     (shard,) = newest.glob("*.distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -108,14 +108,15 @@ def test_a_damaged_shard_is_found_before_load_and_resume_last_falls_back(project
 
 
 def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(project, tmp_path):
-    home = project / "checkpoints" / "demo"
+    cfg = configured()  # the run's name, model and batch size as the project's configs set them
+    home, batch = project / "checkpoints" / cfg.name, cfg.data.batch_size
     finished(torchrun(project, "trainer.max_steps=20", strategy="fsdp"))
 
     # What one process loads from the shards of two equals what torch's own converter reads from them.
     saved = home / "step_00000020"
     dcp_to_torch_save(saved, tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
-    model = MLP([1, 8, 8], 10, [128, 64], dropout=0.1)
+    model = MLP([1, 8, 8], 10, list(cfg.model.hidden_sizes), dropout=cfg.model.dropout)
     optimizer = torch.optim.AdamW(model.parameters())
     sharded.load_into(model, optimizer, load(saved))
     for name, tensor in model.state_dict().items():
@@ -127,20 +128,20 @@ def test_2_then_1_then_2_processes_train_on_as_one_run_from_the_same_parameters(
     assert "resumed at step 20 on cpu" in alone and "(ok)" in alone
     assert "the checkpoint holds the random state of 2 process(es), this run has 1" in alone
     assert (
-        "(ok); the global batch changes from 128 to 64 samples a step (2 -> 1 processes): resume with "
-        "data.batch_size=128 or trainer.grad_accum_steps=2 to keep it"
+        f"(ok); the global batch changes from {2 * batch} to {batch} samples a step (2 -> 1 processes): resume with "
+        f"data.batch_size={2 * batch} or trainer.grad_accum_steps=2 to keep it"
     ) in alone
     again = finished(torchrun(project, "trainer.max_steps=60", "resume=last", strategy="fsdp"))
     assert "resumed at step 40 on cpu" in again and "(ok)" in again
     assert (
-        "the global batch changes from 64 to 128 samples a step (1 -> 2 processes): resume with data.batch_size=32"
-        in again
+        f"the global batch changes from {batch} to {2 * batch} samples a step (1 -> 2 processes): resume with "
+        f"data.batch_size={batch // 2}" in again
     )
 
-    run = only_run(store(project), "demo")
+    run = only_run(store(project), cfg.name)
     assert run.data.tags["resumes"] == "2" and run.data.tags["continuity"] == "ok"
     assert run.data.tags["strategy"] == "fsdp" and run.data.tags["world_size"] == "2"
-    assert run.data.params["global_batch"] == "128" and run.data.tags["resume.1.global_batch"] == "64"
+    assert run.data.params["global_batch"] == str(2 * batch) and run.data.tags["resume.1.global_batch"] == str(batch)
     assert sorted(losses(store(project), run.info.run_id)) == list(range(1, 61))  # each step once
     assert sorted(path.name for path in home.iterdir() if NAME.fullmatch(path.name))[-1] == "step_00000060"
 
@@ -164,10 +165,10 @@ def test_sharded_and_one_file_checkpoints_resume_each_other(project):
     train_alone(project, "trainer.max_steps=10")
     single = run_cli(project, *CPU, "trainer.max_steps=20", "resume=last")
     assert single.returncode == 0 and "resumed at step 10 on cpu" in single.stderr + single.stdout
-    assert (project / "checkpoints" / "demo" / "step_00000020.pt").is_file()
+    assert (project / "checkpoints" / configured().name / "step_00000020.pt").is_file()
     output = train_alone(project, "trainer.max_steps=30", "resume=last")
     assert "resumed at step 20 on cpu" in output and "(ok)" in output
-    assert (project / "checkpoints" / "demo" / "step_00000030").is_dir()
+    assert (project / "checkpoints" / configured().name / "step_00000030").is_dir()
 
 
 def test_fp16_with_its_grad_scaler_round_trips_through_a_sharded_checkpoint(project):
@@ -175,7 +176,7 @@ def test_fp16_with_its_grad_scaler_round_trips_through_a_sharded_checkpoint(proj
     train_alone(project, "amp=fp16", "trainer.max_steps=10")
     output = train_alone(project, "amp=fp16", "trainer.max_steps=20", "resume=last")
     assert "resumed at step 10 on cpu" in output and "(ok)" in output
-    saved = load(project / "checkpoints" / "demo" / "step_00000020").state
+    saved = load(project / "checkpoints" / configured().name / "step_00000020").state
     assert saved["scaler"]["_growth_tracker"] == 20  # counted on from the saved 10, not restarted
 
 

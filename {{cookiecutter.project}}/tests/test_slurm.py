@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import goodput_of, losses, runs_named, start
+from conftest import configured, goodput_of, losses, runs_named, start
 from mlflow import MlflowClient
 from slurm_cluster import Cluster, unavailable
 
@@ -70,7 +70,7 @@ def check_came_back(project: Path, slurm: Cluster, job: str, sweep: subprocess.P
     assert resumed and int(resumed[1]) >= 20, logs
     assert "| FINISHED " in stdout + stderr and "| ok " in stdout + stderr  # the summary: status, continuity
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    runs = runs_named(client, "demo", "tags.resumes = '1'")
+    runs = runs_named(client, configured().name, "tags.resumes = '1'")
     (run,) = [run for run in runs if "mlflow.parentRunId" in run.data.tags]
     assert run.info.status == "FINISHED"
     assert goodput_of(run)["legs"] == 2  # the goodput of both legs, whatever came between them
@@ -136,4 +136,4 @@ def test_a_job_a_person_cancels_saves_stays_down_and_the_sweep_says_so_without_a
     assert "| KILLED " in stdout + stderr and "1 of 1 jobs failed" in stdout + stderr
     assert "Traceback" not in stdout + stderr
     assert re.search(r"Restarts=0\b", slurm.run("scontrol", "show", "job", job).stdout), "not requeued"
-    assert "continue with name=demo resume=last" in job_logs(project)
+    assert f"continue with name={configured().name} resume=last" in job_logs(project)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import goodput_of, hold, run_cli, runs_named, start, wait_for_a_save
+from conftest import configured, goodput_of, hold, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine import priority, standby
@@ -40,7 +40,7 @@ def snapshot(home: Path) -> dict[str, bytes]:
 
 
 def test_a_standby_takes_over_from_a_killed_leg_at_its_newest_checkpoint_and_counts_its_time_from_then(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     first = start(project, *ENDLESS, "checkpoint.every_n_steps=500")
     wait_for_a_save(home, first)  # it holds the home
     launched = time.time()
@@ -67,16 +67,17 @@ def test_a_standby_takes_over_from_a_killed_leg_at_its_newest_checkpoint_and_cou
     # Its process started before the kill; its leg, when the killed one's lock was freed.
     assert launched < killed <= after["started"]
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, configured().name)
     assert goodput_of(run)["legs"] == 2
 
 
 @pytest.mark.parametrize("ended", ["stopped while it waits", "released after the run finished"])
 def test_a_standby_that_never_trains_reads_and_writes_nothing(project, ended):
-    home = project / "checkpoints" / "demo"
+    name = configured().name
+    home = project / "checkpoints" / name
     assert run_cli(project, "device=cpu", "trainer.max_steps=20").returncode == 0
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = runs_named(client, "demo")
+    (run,) = runs_named(client, name)
     holder = hold(home)  # another process holds the home, as a leg that trains would
     kept = snapshot(home)
     second = start(project, "device=cpu", "resume=auto", "standby=true")
@@ -94,17 +95,17 @@ def test_a_standby_that_never_trains_reads_and_writes_nothing(project, ended):
         assert f"took over {home}" not in said
     else:
         assert second.returncode == 0, said
-        assert "demo finished at step 20 already: nothing to train" in said
+        assert f"{name} finished at step 20 already: nothing to train" in said
     assert "Traceback" not in said
     assert {name: data for name, data in snapshot(home).items() if name != "run.lock"} == {
         name: data for name, data in kept.items() if name != "run.lock"
     }
-    (after,) = runs_named(client, "demo")
+    (after,) = runs_named(client, name)
     assert after.data.metrics == run.data.metrics and after.info.end_time == run.info.end_time
 
 
 def test_a_standby_that_finds_the_home_free_goes_on_at_once_and_its_whole_start_up_is_the_runs(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     assert run_cli(project, "device=cpu", "trainer.max_steps=20").returncode == 0
     second = start(project, "device=cpu", "trainer.max_steps=40", "resume=auto", "standby=true")
     began = process_start(second.pid)
@@ -118,16 +119,17 @@ def test_a_standby_that_finds_the_home_free_goes_on_at_once_and_its_whole_start_
 
 
 def test_a_standby_is_refused_in_one_line_where_it_cannot_stand_by(project, make_cfg, monkeypatch):
+    name = configured().name
     refused = run_cli(project, "device=cpu", "standby=true")
     said = refused.stdout + refused.stderr
     assert refused.returncode == 2, said
     assert (
         "error: standby=true continues the run whose leg it waits for, not a fresh run: "
-        "start it with name=demo resume=auto (or resume=last)"
+        f"start it with name={name} resume=auto (or resume=last)"
     ) in said
     assert "Traceback" not in said and not (project / "checkpoints").exists()
 
-    with pytest.raises(RunError, match=r"not resume=.*step_00000010\.pt: start it with name=demo resume=auto"):
+    with pytest.raises(RunError, match=rf"not resume=.*step_00000010\.pt: start it with name={name} resume=auto"):
         standby.check(make_cfg("standby=true", "resume=checkpoints/demo/step_00000010.pt"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RunError, match=r"a torchrun job restarts its workers itself \(torchrun --max-restarts=N\)"):
@@ -166,7 +168,8 @@ def test_a_standby_with_a_remote_takes_over_from_a_killed_leg_and_mirrors_what_i
     """The killed leg's claim on the mounted folder went with its process: the standby takes the
     run and its remote over, continues from the home (newer than the remote: nothing is fetched),
     and its stop's checkpoint is remote."""
-    home, mounted = project / "checkpoints" / "demo", tmp_path / "mounted"
+    name = configured().name
+    home, mounted = project / "checkpoints" / name, tmp_path / "mounted"
     first = start(project, *ENDLESS, "checkpoint.every_n_steps=500", f"checkpoint.remote={mounted}")
     wait_for_a_save(home, first)
     second = start(project, *ENDLESS, "standby=true", f"checkpoint.remote={mounted}")
@@ -176,7 +179,7 @@ def test_a_standby_with_a_remote_takes_over_from_a_killed_leg_and_mirrors_what_i
     first.communicate()
     newest = int((home / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
     said += said_until(second, "resumed at step")
-    while not any(int(path.stem.removeprefix("step_")) > newest for path in (mounted / "demo" / "committed").iterdir()):
+    while not any(int(path.stem.removeprefix("step_")) > newest for path in (mounted / name / "committed").iterdir()):
         assert second.poll() is None, said + "".join(second.communicate())
         time.sleep(0.05)  # until the standby's own first save is remote
     second.send_signal(signal.SIGTERM)
@@ -186,8 +189,8 @@ def test_a_standby_with_a_remote_takes_over_from_a_killed_leg_and_mirrors_what_i
     assert f"resumed at step {newest} on cpu" in said and "fetched" not in said and "Traceback" not in said
     stopped = int(re.search(r"stopped at step (\d+) by SIGTERM", said)[1])
     assert stopped > newest, said
-    assert f"remote: step_{stopped:08d}.pt is in {mounted / 'demo'}" in said, said
-    assert (mounted / "demo" / "committed" / f"step_{stopped:08d}.json").is_file()
+    assert f"remote: step_{stopped:08d}.pt is in {mounted / name}" in said, said
+    assert (mounted / name / "committed" / f"step_{stopped:08d}.json").is_file()
 
 
 LOCKED = """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROJECT, copy_project, run_cli, start
+from conftest import PROJECT, configured, copy_project, run_cli, start
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from mlflow import MlflowClient
@@ -200,7 +200,7 @@ def test_a_finished_sweep_run_again_with_more_steps_continues_each_job_in_its_ow
     assert len(client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])) == 3
     assert parent.info.run_id == first_parent.info.run_id and parent.info.status == "FINISHED"
     assert sorted(children) == ["optimizer.lr=0.001", "optimizer.lr=0.003"]
-    assert sorted(path.name for path in (project / "checkpoints" / "demo").iterdir()) == sorted(children)
+    assert sorted(path.name for path in (project / "checkpoints" / configured().name).iterdir()) == sorted(children)
     table = Path(client.download_artifacts(parent.info.run_id, "summary.md", str(project))).read_text()
     for name, child in children.items():
         assert [metric.step for metric in client.get_metric_history(child.info.run_id, "train/loss")] == list(
@@ -215,7 +215,7 @@ def test_a_grid_grown_with_resume_auto_continues_its_sweep_run_and_one_dropping_
     first = run_cli(project, *sweep, "optimizer.lr=1e-3,3e-3", timeout=600)
     assert first.returncode == 0, first.stderr
     _, first_parent, started = sweep_runs(project)
-    homes = {job: project / "checkpoints" / "demo" / job for job in started}
+    homes = {job: project / "checkpoints" / configured().name / job for job in started}
     saved = {job: sorted((path.name, path.read_bytes()) for path in home.glob("step_*")) for job, home in homes.items()}
 
     grown = run_cli(project, *sweep, "optimizer.lr=1e-3,3e-3,1e-2", "resume=auto", timeout=600)
@@ -247,8 +247,8 @@ def test_a_grid_grown_with_resume_auto_continues_its_sweep_run_and_one_dropping_
     alone = run_cli(project, *sweep, "optimizer.lr=1e-3", "resume=auto", timeout=600)  # sweeps lr no more
     assert alone.returncode == 0, alone.stderr
     assert (
-        "resume=auto: no sweep in MLflow has this line's settings (name=demo optimizer.lr=1e-3): a new sweep run "
-        "holds its jobs"
+        f"resume=auto: no sweep in MLflow has this line's settings (name={configured().name} optimizer.lr=1e-3): a new "
+        "sweep run holds its jobs"
     ) in (alone.stdout + alone.stderr).splitlines()
     runs = client.search_runs([parent.info.experiment_id], "tags.`sweep.key` != ''")
     assert len(runs) == 3 and client.get_run(parent.info.run_id).data.tags == parent.data.tags  # the first untouched
@@ -375,8 +375,9 @@ def test_a_sweep_over_a_folder_names_its_job_by_the_folders_last_part_and_keys_i
 ):
     texts = tmp_path / "corpora" / "mytexts"
     texts.mkdir(parents=True)
+    lines = 2 * configured("data=text_folder").data.batch_size  # a full batch, whatever the configs' split
     for label in ("no", "yes"):
-        (texts / f"{label}.txt").write_text("".join(f"{label}, line {number}\n" for number in range(20)))
+        (texts / f"{label}.txt").write_text("".join(f"{label}, line {number}\n" for number in range(lines)))
     typed = ["data=text_folder", f"data.dir={texts}", "model=gpt", "trainer.max_steps=4"]
     result = run_cli(project, "-m", *typed, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -386,7 +387,7 @@ def test_a_sweep_over_a_folder_names_its_job_by_the_folders_last_part_and_keys_i
     assert parent.data.tags["best.job"] == title and f"best by val/loss (min): {title}, " in result.stdout
     assert str(tmp_path) not in children[title].info.run_name
     key = f"data.dir={str(texts).replace('/', '_')},data=text_folder,model=gpt"  # another mytexts/ trains apart
-    assert [folder.name for folder in (project / "checkpoints" / "demo").iterdir()] == [key]
+    assert [folder.name for folder in (project / "checkpoints" / configured().name).iterdir()] == [key]
 
 
 def test_a_named_experiment_sweeps_what_its_file_says(project):

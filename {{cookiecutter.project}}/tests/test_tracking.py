@@ -20,7 +20,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import losses, run_cli, runs_named, start, wait_for_a_save
+from conftest import configured, losses, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from PIL import Image
@@ -44,11 +44,13 @@ pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 def test_a_fresh_run_records_params_tags_metrics_and_the_resolved_config(
     make_cfg, client, tmp_path, checkpoint_dir, tracking_uri
 ):
-    summary = recipe.train(make_cfg("trainer.max_steps=40", "trainer.log_every_n_steps=5", "optimizer=sgd"))
+    cfg = make_cfg("trainer.max_steps=40", "trainer.log_every_n_steps=5", "optimizer=sgd")
+    summary = recipe.train(cfg)
     run = client.get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["optimizer"] == "SGD" and run.data.params["trainer.max_steps"] == "40"
-    assert run.data.params["model"] == "MLP" and run.data.params["model.hidden_sizes"] == "[128, 64]"
+    assert run.data.params["model"] == "MLP"
+    assert run.data.params["model.hidden_sizes"] == str(list(cfg.model.hidden_sizes))
     tags = run.data.tags
     # Where the run keeps things, and the components' whole names, are tags: the compare views show what trains.
     assert not [
@@ -163,7 +165,7 @@ def test_a_store_that_fails_after_the_run_opened_ends_it_failed_and_training_goe
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     summary = recipe.train(make_cfg("trainer.max_steps=10", f"mlflow.tracking_uri={store}"))
     assert summary["step"] == 10 and summary["run_id"] is None
-    (run,) = runs_named(MlflowClient(store), "demo")
+    (run,) = runs_named(MlflowClient(store), configured().name)
     assert run.info.status == "FAILED"
 
 
@@ -642,7 +644,7 @@ def sender_of(process: subprocess.Popen) -> int:
 
 
 def test_a_sender_killed_mid_run_loses_no_metric_and_the_run_still_ends_as_it_did(project):
-    home = project / "checkpoints" / "demo"
+    home = project / "checkpoints" / configured().name
     process = start(
         project, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=50", cold=True
     )
@@ -896,7 +898,7 @@ def test_the_training_process_leaves_mlflow_to_the_sender_and_imports_only_what_
     unused = {name for name in imported for banned in NOT_IMPORTED if (name + ".").startswith(banned + ".")}
     assert unused == set()
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    run_id = newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
+    run_id = newest_valid(project / "checkpoints" / configured().name)[1]["tracker"]["run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert sorted(losses(client, run_id)) == list(range(1, 11)), "the sender delivered every step"
 
@@ -916,7 +918,7 @@ def test_deleting_the_store_mid_run_costs_one_line_warnings_not_a_traceback(proj
     assert "finished at step 8000" in stdout + stderr
     assert "Traceback" not in stderr and "SQLAlchemy database error" not in stderr
     assert "MLflow is not taking metrics (attempt to write a readonly database); training goes on" in stderr
-    run_id = newest_valid(project / "checkpoints" / "demo")[1]["tracker"]["run_id"]
+    run_id = newest_valid(project / "checkpoints" / configured().name)[1]["tracker"]["run_id"]
     assert f"could not mark MLflow run {run_id} FINISHED (attempt to write a readonly database)" in stderr
 
 
@@ -1010,8 +1012,9 @@ def test_a_run_is_named_after_its_name_and_its_overrides_and_keeps_the_name_on_r
     again = run_cli(project, "optimizer=sgd", "trainer.max_steps=20", "device=cpu", "resume=last")
     assert again.returncode == 0, again.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = runs_named(client, "demo")
-    assert run.info.run_name == "demo optimizer=sgd"  # device and trainer.max_steps are left out: they move
+    (run,) = runs_named(client, configured().name)
+    # device and trainer.max_steps are left out of its name: they move
+    assert run.info.run_name == f"{configured().name} optimizer=sgd"
     assert run.data.tags["resumes"] == "1" and "mlflow.run_name" not in run.data.params
     assert "changed settings: trainer.max_steps 10 -> 20, scheduler.total_steps 10 -> 20" in again.stdout + again.stderr
 
@@ -1029,7 +1032,7 @@ def inputs_of(client: MlflowClient, run_id: str) -> dict[str, tuple[str, str, in
 def test_the_data_is_logged_as_dataset_inputs_by_split_and_another_split_has_another_digest(
     make_cfg, client, checkpoint_dir
 ):
-    first = recipe.train(make_cfg("trainer.max_steps=20"))
+    first = recipe.train(make_cfg("trainer.max_steps=20", "data.val_fraction=0.2"))  # the split it counts
     logged = inputs_of(client, first["run_id"])
     assert logged.keys() == {"training", "validation"}
     assert {name for name, _, _ in logged.values()} == {"digits"}
@@ -1136,7 +1139,7 @@ def test_runs_of_every_name_share_the_projects_experiment_each_named_by_its_name
     runs = [client.get_run(run_id) for run_id in (baseline, tuned)]
     assert [run.info.run_name for run in runs] == ["baseline", "tuned"]
     (experiment,) = {run.info.experiment_id for run in runs}
-    assert client.get_experiment(experiment).name == make_cfg().mlflow.experiment_name == "{{ cookiecutter.project }}"
+    assert client.get_experiment(experiment).name == make_cfg().mlflow.experiment_name
     assert "mlflow.experiment_name" not in runs[0].data.params  # MLflow shows it; a resume may keep another
 
 

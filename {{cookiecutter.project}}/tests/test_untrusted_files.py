@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import configured
 from test_distributed import CPU
 from test_sharded import reseal
 
@@ -137,7 +138,7 @@ def test_a_name_planted_in_a_checkpoint_is_quoted_without_its_control_characters
 
 
 def test_a_folder_where_the_lock_file_goes_is_named_as_one_in_one_line_and_left_as_it_is(project):
-    lock = project / "checkpoints" / "demo" / "run.lock"
+    lock = project / "checkpoints" / configured().name / "run.lock"
     lock.mkdir(parents=True)
     (lock / "mine.txt").write_text("mine")
     result = ended(project, "run.py", QUIET, "trainer.max_steps=5")
