@@ -140,6 +140,7 @@ def test_untracked_runs_are_judged_by_the_scores_their_best_and_newest_checkpoin
     home = f"checkpoint.dir={homes}/" + "${name}"
     for name, scores in (("cmp-off-long", LONG), ("cmp-off-short", SHORT)):
         steps = [f"trainer.max_steps={max(scores) // 10}", "trainer.val_every_n_steps=10"]
+        steps += ["checkpoint.every_n_steps=10", "checkpoint.keep_last=3"]  # a save a score: 10, 20, 30
         recipe.train(make_cfg(home, f"name={name}", "mlflow.enabled=false", *steps))
         for step, value in scores.items():  # each save's val/loss, as the pair logged it
             path = path_of(homes / name, step // 10)

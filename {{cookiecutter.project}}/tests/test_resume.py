@@ -235,12 +235,13 @@ def test_a_probe_loss_that_no_longer_matches_is_flagged_or_stops_the_run(make_cf
 
 
 def test_resuming_an_earlier_checkpoint_makes_it_the_line_that_resume_last_continues(make_cfg, checkpoint_dir):
-    recipe.train(make_cfg(QUIET, "trainer.max_steps=40"))
-    recipe.train(make_cfg(QUIET, "trainer.max_steps=25", f"resume={checkpoint_dir / 'step_00000020.pt'}"))
+    saves = (QUIET, "checkpoint.every_n_steps=10", "checkpoint.keep_last=3")  # the steps 20, 30 and 40 kept
+    recipe.train(make_cfg(*saves, "trainer.max_steps=40"))
+    recipe.train(make_cfg(*saves, "trainer.max_steps=25", f"resume={checkpoint_dir / 'step_00000020.pt'}"))
     assert newest_valid(checkpoint_dir)[1]["step"] == 25
     (set_aside,) = checkpoint_dir.glob("set-aside-*-after-step-20")
     assert sorted(path.name for path in set_aside.iterdir()) == ["step_00000030.pt", "step_00000040.pt"]
-    assert recipe.train(make_cfg(QUIET, "trainer.max_steps=30", "resume=last"))["step"] == 30
+    assert recipe.train(make_cfg(*saves, "trainer.max_steps=30", "resume=last"))["step"] == 30
 
 
 def test_a_batch_larger_than_the_training_set_is_refused_instead_of_spinning(make_cfg):

@@ -83,7 +83,7 @@ def test_a_server_stopped_mid_run_costs_a_warning_and_replay_later_sends_its_met
     gate = save_gate()  # the run waits at its first save while the server stops: it is mid-run, however fast
     process = start(
         project, f"mlflow.tracking_uri={server.uri}", "trainer.max_steps=4000", "checkpoint.every_n_steps=50",
-        env=gate.env,
+        "trainer.log_every_n_steps=10", env=gate.env,
     )  # fmt: skip
     gate.wait(process)
     server.stop()
