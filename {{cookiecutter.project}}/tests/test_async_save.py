@@ -20,7 +20,7 @@ from {{cookiecutter.package}}.engine.errors import SaveError
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
 QUIET = "mlflow.enabled=false"
-EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5"]
+EVERY_5 = ["trainer.max_steps=15", "checkpoint.every_n_steps=5", "checkpoint.keep_last=3"]  # the three saves kept
 
 
 def test_a_snapshot_is_a_copy_that_training_cannot_change_in_buffers_reused_at_every_save():

@@ -83,7 +83,7 @@ def test_gradient_clipping_bounds_the_update_to_the_true_gradient_norm(make_cfg,
     gradients must be unscaled before clipping, or the step would be ~65,536 times too small."""
     cfg = make_cfg(
         QUIET, f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=false", "optimizer.lr=0.5",
-        "scheduler=constant",
+        "optimizer.weight_decay=0", "scheduler=constant", "scheduler.warmup_steps=0",
         "trainer.max_steps=1", "trainer.grad_clip=0.01",
     )  # fmt: skip
     recipe.train(cfg)
@@ -103,7 +103,7 @@ def test_the_logged_gradient_norm_is_the_true_one_before_clipping_with_or_withou
     before the clipping."""
     one_step = [
         f"amp={amp}", "optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=false", "optimizer.lr=0.5",
-        "scheduler=constant", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
+        "optimizer.weight_decay=0", "scheduler=constant", "scheduler.warmup_steps=0", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
     ]  # fmt: skip
     cfg = make_cfg(*one_step)
     free = recipe.train(cfg)
