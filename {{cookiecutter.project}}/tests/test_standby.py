@@ -16,9 +16,11 @@ import pytest
 from conftest import goodput_of, hold, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.engine import priority, standby
+from {{cookiecutter.package}}.engine import priority
+from {{cookiecutter.package}}.engine.checkpoint.home import GOODPUT as LEDGER
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.goodput import LEDGER, process_start
+from {{cookiecutter.package}}.engine.lifecycle import standby
+from {{cookiecutter.package}}.engine.lifecycle.goodput import process_start
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
