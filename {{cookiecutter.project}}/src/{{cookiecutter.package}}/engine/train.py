@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from . import compile_cache, components, continuity, distributed, param_groups, strategies
 from .callbacks.hooks import CallbackError, Callbacks
+from .callbacks.time_limit import Hold
 from .checkpoint import initial
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
@@ -99,7 +100,7 @@ def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status, unsaved = "FAILED", None
-        with Preemption(cfg.trainer.hook_timeout_s, checkpoints.continuation) as preemption:
+        with Preemption(Hold(cfg.trainer.hook_timeout_s, checkpoints.continuation)) as preemption:
             # What a validation asks before each batch, as the loop does at each step: a stop reaches it within one.
             stop = lambda: preemption.agreed(world, checkpoints.lost, during="validation")  # noqa: E731
             lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))

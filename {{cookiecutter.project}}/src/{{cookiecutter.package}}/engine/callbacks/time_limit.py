@@ -64,6 +64,8 @@ class Hold:
     ever). A hook pays for its bound no system call: the watchdog looks at the hook that holds the run
     at least once a bound, and wakes at its end."""
 
+    kick = KICK  # what the watchdog interrupts the main thread with: its handler is `kicked`
+
     def __init__(self, bound_s: float | None, continuation: Callable[[], str] | None = None) -> None:
         self.bound_s = bound_s
         self.continuation = continuation  # how to go on from the newest checkpoint, for the line at its end

@@ -6,8 +6,8 @@ SLURM, asks to come back: restarts.py). With several processes, a signal that re
 stops them all at the same step.
 
 A callback's hook is code of the user's that may never return: while one holds the run, a stop
-interrupts it at once (time_limit.py), and the run stops as at any stop, whether the hook lets the
-interrupt out or swallows it."""
+interrupts it at once (the hold the recipe hands over: callbacks/time_limit.py), and the run stops
+as at any stop, whether the hook lets the interrupt out or swallows it."""
 
 import logging
 import signal
@@ -15,9 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-from ..callbacks.time_limit import KICK, Hold
 from ..distributed import World
 from ..signals import SIGNALS, Stopped
 
@@ -26,45 +25,61 @@ log = logging.getLogger(__name__)
 FAILED = 1 << 8  # above every signal's number: one flag of `agreed` that the others' maximum keeps
 
 
+class Interruptible(Protocol):
+    """What a stop interrupts: the hold of the hook that holds the run, if any, and its watchdog,
+    which interrupts a hook past its time with the signal `kick` (callbacks/time_limit.py's Hold)."""
+
+    bound_s: float | None
+    kick: int
+    continuation: Callable[[], str] | None
+
+    def kicked(self, signum: int, frame: FrameType | None) -> None: ...
+
+    def watch(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stops(self, received: signal.Signals, frame: FrameType | None) -> None: ...
+
+
 class Preemption:
     """While active, the first of SIGNALS only sets `received` (submitit's own SIGUSR2 handler,
     which would requeue mid-step without a save, waits outside), and interrupts a hook that holds
     the run. A second SIGINT leaves at once, without a save, for a person who really means it; any
     other signal again is only said (SLURM signals every process of a job, and torchrun passes the
-    same signal on to its workers). `hook_timeout_s` bounds each hook (None: no bound); `continuation`
-    says, at that second Ctrl-C, how to go on from the newest checkpoint (Checkpointer.continuation)."""
+    same signal on to its workers). `hold` bounds each hook (its bound_s None: no bound), and its
+    `continuation` says, at that second Ctrl-C, how to go on from the newest checkpoint."""
 
     installed: ClassVar["Preemption | None"] = None  # the one whose handlers take this process's signals
 
-    def __init__(self, hook_timeout_s: float | None = None, continuation: Callable[[], str] | None = None) -> None:
+    def __init__(self, hold: Interruptible) -> None:
         self.received: signal.Signals | None = None
         self.failed: str | None = None  # why every process stops at once, unsaved (`agreed`)
         self.cut = ""  # for the stop line, what it cut short: " during validation, left at a batch boundary ..."
         self._since: float | None = None  # when this process received the first signal
         self._agreed = False
         self._asked: str | None = None  # where `agreed` was last asked: `during`
-        self.continuation = continuation
-        self.hold = Hold(hook_timeout_s, continuation)
+        self.hold = hold
         self._previous: dict = {}
         self._twice = False
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
-            if self.hold.bound_s is not None:
-                self._previous[KICK] = signal.signal(KICK, self.hold.kicked)
-                self.hold.watch()
+            if (hold := self.hold).bound_s is not None:
+                self._previous[hold.kick] = signal.signal(hold.kick, hold.kicked)
+                hold.watch()
             Preemption.installed = self
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
-        self.hold.close()  # before KICK's handler goes: its default ends the process
+        self.hold.close()  # before its kick's handler goes: the signal's default ends the process
         if Preemption.installed is self:
             Preemption.installed = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._twice and isinstance(error, KeyboardInterrupt):
-            then = f"; {self.continuation()}" if self.continuation else ""
+            then = f"; {self.hold.continuation()}" if self.hold.continuation else ""
             log.warning(f"stopped at once by a second Ctrl-C: nothing more is saved{then}")
             raise Stopped(signal.SIGINT, None) from None
 
