@@ -278,7 +278,7 @@ def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
 def template_version(project: Path) -> str:
     """What the baked project's runs tag as `template.version` (its origin.py, as the MLflow
     sender calls it from the folder a run starts in)."""
-    origin = f"{DEFAULT_PACKAGE}.engine.origin"
+    origin = f"{DEFAULT_PACKAGE}.engine.tracking.origin"
     code = f"from {origin} import template_version; print(template_version(Path()))"
     found = subprocess.run(
         [sys.executable, "-c", f"from pathlib import Path; {code}"],

@@ -120,6 +120,9 @@ UPDATE = f"python -m {PACKAGE}.engine.update before && cruft update -y && "
 FIRST_UPDATE = f"cruft update -y && python -m {PACKAGE}.engine.update after && "
 # The template's last commit with one config root: every group, option and setting in configs/.
 ONE_ROOT = "49da35de3da563979c82cccebb5549337815d8cf"
+# The template's last commit whose engine was flat: its modules side by side, before its folders
+# (checkpoint/remote/, data/, tracking/, callbacks/, lifecycle/) and the names they brought.
+FLAT = "659048fb558be5e8deecb9bfffc7c74a84ced4b4"
 # What a user chose, in a project of either layout: a group's option and a setting in config.yaml,
 # an option of the user's own, and (with the two roots) a file replacing the engine's.
 SMALL_CNN = f"_target_: {PACKAGE}.models.CNN\nchannels: [8, 16]\ndropout: 0.0\n"
@@ -530,16 +533,16 @@ def test_after_stops_in_one_line_when_the_template_is_not_at_the_commit_recorded
     assert git(project, "status", "--porcelain") == " M .cruft.json"
 
 
-def one_root(template: Path) -> str:
-    """Commits the template as it was at ONE_ROOT, from this checkout's history; returns it."""
+def as_at(template: Path, commit: str, message: str) -> str:
+    """Commits the template as it was at `commit`, from this checkout's history; returns it."""
     history = ["git", "-C", str(TEMPLATE)]
-    if subprocess.run([*history, "cat-file", "-e", f"{ONE_ROOT}^{{commit}}"]).returncode:
-        pytest.skip(f"needs the template's commit {ONE_ROOT[:7]}: a checkout with its history")
+    if subprocess.run([*history, "cat-file", "-e", f"{commit}^{{commit}}"]).returncode:
+        pytest.skip(f"needs the template's commit {commit[:7]}: a checkout with its history")
     git(template, "rm", "-rq", ".")
     parts = ["cookiecutter.json", "hooks", "{{cookiecutter.project}}"]
-    tree = subprocess.run([*history, "archive", ONE_ROOT, *parts], capture_output=True, check=True)
+    tree = subprocess.run([*history, "archive", commit, *parts], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(template)], input=tree.stdout, check=True)
-    return commit_all(template, "One config root")
+    return commit_all(template, message)
 
 
 @pytest.mark.slow
@@ -555,7 +558,7 @@ def test_a_project_of_one_config_root_moves_to_two_by_the_documented_line_keepin
     finds them; the project composes as a fresh bake given those choices."""
     layout = git(template, "rev-parse", "HEAD")
     fresh = bake(template.parent / "fresh", template=template)
-    one_root(template)
+    as_at(template, ONE_ROOT, "One config root")
     project = bake(template.parent / "out", template=template)
     git(project, "init", "-q")
     commit_all(project, "Baked")
@@ -715,3 +718,68 @@ def test_a_renamed_package_stops_the_update_in_one_line_and_the_line_it_gives_br
     engine = project / "src" / "renamed" / "engine"
     assert "sanity_steps: int = MISSING" in (engine / "config.py").read_text(encoding="utf-8")
     assert composed(project, package="renamed")["checkpoint"]["keep_last"] == 5
+
+
+def in_project(project: Path, *command: str) -> subprocess.CompletedProcess:
+    """`python <command>` in `project`, with its own package."""
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_flat_engines_project_updates_and_its_old_run_resumes_evaluates_and_exports(
+    bake: Bake, template: Path
+) -> None:
+    """Baked when the engine's modules lay side by side, a run trained there on Arrow shards: its
+    checkpoint's config names `my_trainer.engine.ready.arrow.arrow_folder`, which is no module
+    after the documented update brings the engine's folders. The update keeps the user's files; the
+    project's run.py, eval.py and export.py as they were then (importing `engine.goodput`,
+    `engine.checkpoint.remote_url`) resume that run, evaluate and export its checkpoint; and the
+    shards' command of before (`python -m my_trainer.engine.ready.arrow`) still writes."""
+    layout = git(template, "rev-parse", "HEAD")
+    as_at(template, FLAT, "The flat engine")
+    project = bake(template.parent / "out", template=template)
+    git(project, "init", "-q")
+    commit_all(project, "Baked")
+    own = yours(project)
+    commands = {name: (project / name).read_bytes() for name in ("run.py", "eval.py", "export.py")}
+    digits = template.parent / "digits"
+    old = f"{PACKAGE}.engine.ready.arrow"
+    assert in_project(project, "-m", old, "write-digits", str(digits)).returncode == 0
+    train = ["run.py", "experiment=arrow_digits", f"data.dir={digits}", "device=cpu", "mlflow.enabled=false"]
+    trained = in_project(project, *train, "trainer.max_steps=4", "trainer.val_every_n_steps=2")
+    assert trained.returncode == 0, trained.stderr
+    git(template, "rm", "-rq", ".")
+    git(template, "checkout", layout, "--", ".")
+    new = commit_all(template, "The engine's folders")
+
+    updated = updating(project, update_line(project))
+    assert updated.returncode == 0, f"{updated.stdout}\n{updated.stderr}"
+    assert merged_cleanly(project) and yours(project) == own
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == new
+    engine = project / "src" / PACKAGE / "engine"
+    assert (engine / "data" / "formats" / "arrow.py").is_file() and not (engine / "ready" / "arrow.py").exists()
+    assert (engine / "lifecycle" / "goodput.py").is_file() and not (engine / "goodput.py").exists()
+
+    for name, code in commands.items():  # the project's own, as it wrote them before the update
+        (project / name).write_bytes(code)
+    resumed = in_project(project, *train, "trainer.max_steps=8", "trainer.val_every_n_steps=2", "resume=last")
+    assert resumed.returncode == 0, resumed.stderr
+    home = project / "checkpoints" / "arrow-digits"
+    assert {path.name for path in home.glob("step_*.pt")} >= {"step_00000004.pt", "step_00000008.pt"}
+    evaluated = in_project(project, "eval.py", "name=arrow-digits", "checkpoint=last", "device=cpu", "mlflow.enabled=false")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "val/loss" in evaluated.stdout + evaluated.stderr
+    exported = in_project(project, "export.py", "name=arrow-digits", "checkpoint=last", "out=model.safetensors")
+    assert exported.returncode == 0, exported.stderr
+    assert (project / "model.safetensors").stat().st_size > 0
+    again = in_project(project, "-m", old, "write-digits", str(template.parent / "again"))
+    assert again.returncode == 0, again.stderr
+    assert sorted(path.name for path in (template.parent / "again").rglob("*")) == sorted(
+        path.name for path in digits.rglob("*")
+    )

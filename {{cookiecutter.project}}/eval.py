@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from {{cookiecutter.package}}.engine import tracking
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
+from {{cookiecutter.package}}.engine.checkpoint.remote.url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 from {{cookiecutter.package}}.engine.config_roots import before_hydra
 

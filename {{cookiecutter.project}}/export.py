@@ -6,7 +6,7 @@ import sys
 
 import hydra
 
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
+from {{cookiecutter.package}}.engine.checkpoint.remote.url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 from {{cookiecutter.package}}.engine.config_roots import before_hydra
 from {{cookiecutter.package}}.engine.saved_model import take

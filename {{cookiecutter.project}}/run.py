@@ -2,7 +2,7 @@
 
 import time
 
-began = time.time() - time.process_time()  # first: when this interpreter started (engine/goodput.py says why)
+began = time.time() - time.process_time()  # first: when this interpreter started (engine/lifecycle/goodput.py says why)
 
 # ruff: noqa: E402
 import atexit
@@ -11,10 +11,11 @@ import sys
 
 import hydra
 
-from {{cookiecutter.package}}.engine import goodput, standby, tracking
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import refuse_typed
+from {{cookiecutter.package}}.engine import tracking
+from {{cookiecutter.package}}.engine.checkpoint.remote.url import refuse_typed
 from {{cookiecutter.package}}.engine.config import Config  # with the resolvers the configs use
 from {{cookiecutter.package}}.engine.config_roots import before_hydra
+from {{cookiecutter.package}}.engine.lifecycle import goodput, standby
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

@@ -1,5 +1,5 @@
 """What reading Arrow shards through the project costs: samples per second from a folder as Hugging
-Face datasets' save_to_disk writes it, through the training loader (engine/ready/arrow.py's rows in
+Face datasets' save_to_disk writes it, through the training loader (engine/data/formats/arrow.py's rows in
 the order of engine/data.py), against a raw pyarrow reader of the same files (zero-copy numpy views
 of memory-mapped tables, the same rows in the same order, torch's DataLoader), with 0 and 2 workers;
 the start's check and the first sample; and the time a resume mid-epoch waits for its first batch.
@@ -25,8 +25,8 @@ import torch
 from shards import compare
 from torch.utils.data import Dataset
 
-from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
-from {{cookiecutter.package}}.engine.ready.save_to_disk import described
+from {{cookiecutter.package}}.engine.data.formats.arrow import arrow_folder
+from {{cookiecutter.package}}.engine.data.formats.save_to_disk import described
 
 SHAPE = (1, 28, 28)
 

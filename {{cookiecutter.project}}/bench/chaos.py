@@ -11,7 +11,7 @@ the same final loss, and on the CPU the same weights, bit for bit (exit 1 otherw
 
 `both` sends SIGTERM (the run saves, then stops) and SIGKILL (it loses what it trained since its
 newest checkpoint) in turn. `--standby` keeps a standby leg, started warm, waiting beside each leg
-to take over when it ends (src/{{cookiecutter.package}}/engine/standby.py). The overrides go to both
+to take over when it ends (src/{{cookiecutter.package}}/engine/lifecycle/standby.py). The overrides go to both
 runs: `device=cuda`, `trainer.compile=true`, `checkpoint.every_s=5`.
 """
 
@@ -29,7 +29,7 @@ import mlflow
 import torch
 from startup import workspace
 
-from {{cookiecutter.package}}.engine import goodput
+from {{cookiecutter.package}}.engine.lifecycle import goodput
 
 SIGNALS = {"term": [signal.SIGTERM], "kill": [signal.SIGKILL], "both": [signal.SIGTERM, signal.SIGKILL]}
 BUCKETS = (*goodput.BUCKETS, "between_legs")

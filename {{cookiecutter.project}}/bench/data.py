@@ -1,7 +1,7 @@
 """What the order of an epoch costs at any size: the training loader's time to its first batch at
 the start of an epoch and at 1%, 50% and 99.9% of it (what a resume waits for), and the memory the
 loader takes to get there, from a million to a billion samples, for the order new runs draw
-(`feistel`: each step's samples computed as it comes, engine/order.py) and the one of checkpoints
+(`feistel`: each step's samples computed as it comes, engine/data/order.py) and the one of checkpoints
 from before it (`randperm`: the epoch listed whole), each in a fresh process.
 
     python bench/data.py [--sizes 1e6,1e7,1e9] [--listed-up-to 1e7]
@@ -25,7 +25,8 @@ import json, sys, time
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
-from {{cookiecutter.package}}.engine.data import Position, batches, build_loader
+from {{cookiecutter.package}}.engine.data.loaders import batches, build_loader
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.distributed import World
 
 class Counting(Dataset):
@@ -66,7 +67,7 @@ def measure(size: int, fraction: float, order: str, repeats: int) -> dict:
 
 
 def indices_per_second() -> float:
-    from {{cookiecutter.package}}.engine.order import Shuffle
+    from {{cookiecutter.package}}.engine.data.order import Shuffle
 
     shuffle, positions = Shuffle(10**9, 0), np.arange(1_000_000)
     began = time.perf_counter()

@@ -46,7 +46,7 @@ def samples_per_s(launch: list[str], settings: list[str], store: Path, name: str
 def stop_agreement_cost() -> None:
     """Run by torchrun: the time of one agreement, as rank 0 sees it."""
     from {{cookiecutter.package}}.engine.distributed import World
-    from {{cookiecutter.package}}.engine.preemption import Preemption
+    from {{cookiecutter.package}}.engine.lifecycle.preemption import Preemption
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

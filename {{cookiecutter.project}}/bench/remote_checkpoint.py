@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from {{cookiecutter.package}}.engine.checkpoint import onefile
-from {{cookiecutter.package}}.engine.checkpoint.mirror import Mirror
-from {{cookiecutter.package}}.engine.checkpoint.remote import Store
+from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
+from {{cookiecutter.package}}.engine.checkpoint.remote.store import Store
 from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION
 
 

@@ -1,5 +1,5 @@
 """What reading token shards through the project costs: samples per second from local shards through
-the training loader (engine/ready/shards.py's windows in the order of engine/data.py) against a raw
+the training loader (engine/data/formats/shards.py's windows in the order of engine/data.py) against a raw
 reader of the same files (numpy memory maps, the same windows in the same order, torch's DataLoader),
 with 0 and 2 workers; and the time a resume mid-epoch waits for its first batch.
 
@@ -20,9 +20,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from {{cookiecutter.package}}.engine.data import Position, batches, build_loader
+from {{cookiecutter.package}}.engine.data.formats.shards import described, token_shards
+from {{cookiecutter.package}}.engine.data.loaders import batches, build_loader
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.distributed import World
-from {{cookiecutter.package}}.engine.ready.shards import described, token_shards
 
 
 class RawWindows(Dataset):

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from warm_parent import WarmParent, WarmPopen, fork_from
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.goodput import BUCKETS
+from {{cookiecutter.package}}.engine.lifecycle.goodput import BUCKETS
 
 PROJECT = Path(__file__).resolve().parents[1]
 # The folders a run's config is composed from, the first one's files winning (engine.config_roots.config_roots):

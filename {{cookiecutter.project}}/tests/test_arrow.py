@@ -1,4 +1,4 @@
-"""Arrow shards (engine/ready/arrow.py, save_to_disk.py): a folder as Hugging Face datasets' save_to_disk
+"""Arrow shards (engine/data/formats/arrow.py, save_to_disk.py): a folder as Hugging Face datasets' save_to_disk
 writes it, read a sample at a time with pyarrow alone into the samples its source holds, described
 once by a manifest that each start checks with a stat per shard, recorded by the run's checkpoint so
 that a resume on changed shards is refused, and named when a shard is damaged under the run."""
@@ -17,13 +17,13 @@ from conftest import losses, start
 from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.data import DataError
-from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
+from {{cookiecutter.package}}.engine.data.contract import DataError
+from {{cookiecutter.package}}.engine.data.formats.arrow import arrow_folder
+from {{cookiecutter.package}}.engine.data.formats.manifest import ShardDamaged, fingerprint
+from {{cookiecutter.package}}.engine.data.formats.save_to_disk import MANIFEST, WRITE_BATCH, ArrowShard, described, write_digits
 from {{cookiecutter.package}}.engine.ready.datasets import digits
-from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged, fingerprint
-from {{cookiecutter.package}}.engine.ready.save_to_disk import MANIFEST, WRITE_BATCH, ArrowShard, described, write_digits
 
-DESCRIBE = [sys.executable, "-m", "{{cookiecutter.package}}.engine.ready.arrow", "describe"]
+DESCRIBE = [sys.executable, "-m", "{{cookiecutter.package}}.engine.data.formats.arrow", "describe"]
 # The demo's MLP, small, on the digits read from Arrow shards.
 MLP = ["experiment=arrow_digits", "data.batch_size=16", "model.hidden_sizes=[16]", "trainer.max_steps=4"]
 
@@ -254,7 +254,7 @@ def test_a_folder_that_does_not_match_its_manifest_is_refused_in_one_line_naming
     with pytest.raises(DataError, match=said) as refused:
         arrow_folder(folder, inputs="pixels", target="label", accept_changed_shards=True)
     message = str(refused.value)
-    assert "\n" not in message and f"python -m {{cookiecutter.package}}.engine.ready.arrow describe {folder}" in message
+    assert "\n" not in message and f"python -m {{cookiecutter.package}}.engine.data.formats.arrow describe {folder}" in message
 
 
 @pytest.mark.parametrize(
@@ -351,7 +351,7 @@ def test_a_label_that_is_no_class_number_is_refused_in_one_line_naming_the_colum
 READ_IN_A_CHILD = """
 import sys
 from {{cookiecutter.package}}.engine.data import DataError
-from {{cookiecutter.package}}.engine.ready.arrow import arrow_folder
+from {{cookiecutter.package}}.engine.data.formats.arrow import arrow_folder
 
 try:
     arrow_folder(sys.argv[1], inputs="pixels", target="label")

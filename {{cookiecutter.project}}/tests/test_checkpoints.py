@@ -20,12 +20,12 @@ from conftest import hold
 from {{cookiecutter.package}}.engine.checkpoint import dcp_files, onefile, sharded
 from {{cookiecutter.package}}.engine.checkpoint import home as checkpoint_home
 from {{cookiecutter.package}}.engine.checkpoint.claim import claim
-from {{cookiecutter.package}}.engine.checkpoint.files import write_text
 from {{cookiecutter.package}}.engine.checkpoint.home import set_aside_newer
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import find, load
 from {{cookiecutter.package}}.engine.checkpoint.schema import FORMAT_VERSION, SHARDED_PARTS, STATE
 from {{cookiecutter.package}}.engine.errors import CheckpointError, RunError, SaveError
+from {{cookiecutter.package}}.engine.files import write_text
 
 
 def state(step: int) -> dict:
@@ -425,7 +425,7 @@ def test_a_save_onto_a_full_disk_says_so_and_leaves_the_previous_checkpoint_and_
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.checkpoint.files.open", onto_a_full_disk, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.files.open", onto_a_full_disk, raising=False)
     with pytest.raises(SaveError) as raised:
         save(state(20), tmp_path, keep_last=1)
     assert str(raised.value) == f"could not write {tmp_path / 'step_00000020.pt'} (No space left on device)"

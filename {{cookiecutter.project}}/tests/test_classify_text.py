@@ -14,7 +14,7 @@ from test_export import docs_lines
 from test_untrusted_files import ended
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.data import build_data
+from {{cookiecutter.package}}.engine.data.contract import build_data
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.exporting import export, plain
 from {{cookiecutter.package}}.engine.ready.datasets import PAD

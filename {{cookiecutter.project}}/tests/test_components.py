@@ -11,7 +11,7 @@ from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.config import check_values
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.evaluation import check_wiring
+from {{cookiecutter.package}}.engine.validation import check_wiring
 
 PACKAGE = "{{cookiecutter.package}}"
 # Components a user might write, in a module of their own.

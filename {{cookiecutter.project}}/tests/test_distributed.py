@@ -37,7 +37,8 @@ from mlflow import MlflowClient
 
 from {{cookiecutter.package}}.engine import distributed, train
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.engine.data import EpochSampler, Position
+from {{cookiecutter.package}}.engine.data.loaders import EpochSampler
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.errors import RunError
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
@@ -785,7 +786,7 @@ def connected(pid: int, port: int) -> bool:
 GATE_METRIC = """
 import os, pathlib, signal, time
 import torch
-from {{cookiecutter.package}}.engine.preemption import Preemption
+from {{cookiecutter.package}}.engine.lifecycle.preemption import Preemption
 
 
 class Gate:

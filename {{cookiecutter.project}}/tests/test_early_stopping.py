@@ -7,8 +7,8 @@ import signal
 import pytest
 from conftest import losses
 
-from {{cookiecutter.package}}.engine import evaluation
 from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine import validation as evaluation
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.monitor import Monitor
 

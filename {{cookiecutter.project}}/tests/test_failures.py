@@ -23,11 +23,11 @@ from {{cookiecutter.package}}.engine import components
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint import claim as claiming
 from {{cookiecutter.package}}.engine.checkpoint.claim import claim
-from {{cookiecutter.package}}.engine.checkpoint.files import Checksummed
 from {{cookiecutter.package}}.engine.checkpoint.home import NAME
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.files import Checksummed
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -185,7 +185,7 @@ def onto_a_full_disk(monkeypatch, failing_steps: set[int]) -> None:
             return open("/dev/full", "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.checkpoint.files.open", open_checkpoint, raising=False)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.files.open", open_checkpoint, raising=False)
 
 
 def test_a_disk_that_fills_up_mid_run_costs_a_warning_and_saving_resumes_when_it_has_room(
@@ -389,7 +389,7 @@ import os, threading, torch
 import torch.utils.data._utils.worker as torch_worker
 torch_worker.MP_STATUS_CHECK_INTERVAL = 10**6  # torch's own check for a dead run never comes here
 from {{cookiecutter.package}}.engine.config import DeviceConfig
-from {{cookiecutter.package}}.engine.data import evaluation_loader
+from {{cookiecutter.package}}.engine.data.loaders import evaluation_loader
 
 class Pids(torch.utils.data.Dataset):
     def __len__(self):
@@ -437,7 +437,7 @@ def test_a_data_worker_ends_as_soon_as_its_run_is_killed():
 
 RUN_GONE_BEFORE_ITS_WORKER_STARTS = """
 import os, time
-from {{cookiecutter.package}}.engine.workers import end_with_the_run
+from {{cookiecutter.package}}.engine.data.workers import end_with_the_run
 
 run = os.getpid()
 if os.fork() == 0:
@@ -464,7 +464,7 @@ UNDER_A_FORK_SERVER = """
 import multiprocessing, torch
 from torch.utils.data import TensorDataset
 from {{cookiecutter.package}}.engine.config import DeviceConfig
-from {{cookiecutter.package}}.engine.data import evaluation_loader
+from {{cookiecutter.package}}.engine.data.loaders import evaluation_loader
 
 multiprocessing.set_start_method("forkserver")  # the default from Python 3.14 on
 print(sum(len(targets) for (targets,) in evaluation_loader(TensorDataset(torch.arange(64)), 8, 2, DeviceConfig())))

@@ -19,8 +19,9 @@ import pytest
 from conftest import configured, goodput_of, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.engine import goodput
-from {{cookiecutter.package}}.engine.goodput import BUCKETS, KEPT_LEGS, LEDGER, WRITE_EVERY_S, Clock
+from {{cookiecutter.package}}.engine.checkpoint.home import GOODPUT as LEDGER
+from {{cookiecutter.package}}.engine.lifecycle import goodput
+from {{cookiecutter.package}}.engine.lifecycle.goodput import BUCKETS, KEPT_LEGS, WRITE_EVERY_S, Clock
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 

@@ -1,4 +1,4 @@
-"""What a callback may not do to a run (hooks.py, hold.py, preemption.py): keep a state no checkpoint
+"""What a callback may not do to a run (hooks.py, time_limit.py, preemption.py): keep a state no checkpoint
 can hold, hold the run in a hook past trainer.hook_timeout_s, whatever it does with the signals that
 bound it, or keep a stop from reaching it. Each ends the run in one line, with the newest checkpoint
 intact for resume=last."""
@@ -18,8 +18,8 @@ from conftest import configured, goodput_of, losses, runs_named, start
 from test_cli import descendants
 from test_distributed import ranks, torchrun
 
-from {{cookiecutter.package}}.engine import callback_state
 from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine.callbacks import state as callback_state
 from {{cookiecutter.package}}.engine.checkpoint.home import path_of, steps
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import RunError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import {{cookiecutter.package}}
-from {{cookiecutter.package}}.engine.data import Data
+from {{cookiecutter.package}}.engine.data.contract import Data
 
 PACKAGE = Path({{cookiecutter.package}}.__file__).parent
 NAME = "{{cookiecutter.package}}"
@@ -78,7 +78,7 @@ def test_the_walk_sees_the_imports_that_make_a_circle():
     assert a_circle(edges) == ["a", "b", "c", "a"]
     assert a_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     recipe = graph()[f"{ENGINE}.train"]
-    assert {f"{ENGINE}.checkpoint.manager", f"{ENGINE}.parts", f"{ENGINE}.evaluation"} <= recipe
+    assert {f"{ENGINE}.checkpoint.manager", f"{ENGINE}.parts", f"{ENGINE}.validation"} <= recipe
 
 
 def test_no_module_of_the_package_imports_itself_back():
@@ -90,7 +90,7 @@ def public(edges: dict[str, set[str]]) -> set[str]:
     """What your side (every module beside engine/) may take from the engine: the type a data
     component returns and how it reads a file (data.read_file, and the safe reads of files.py, the
     engine's foundation), and the ready components."""
-    foundation = {ENGINE, f"{ENGINE}.data", f"{ENGINE}.checkpoint.files"}
+    foundation = {ENGINE, f"{ENGINE}.data", f"{ENGINE}.files"}
     return foundation | {module for module in edges if module.startswith(READY)}
 
 
@@ -121,7 +121,7 @@ def test_each_console_script_is_the_main_of_an_engine_command():
     """`{{cookiecutter.project}}-compare` and `-tracking` once installed: `python -m` of the engine's modules."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
     scripts = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    commands = {"compare": f"{ENGINE}.compare:main", "tracking": f"{ENGINE}.tracking:main"}
+    commands = {"compare": f"{ENGINE}.compare:main", "tracking": f"{ENGINE}.tracking.tracker:main"}
     assert scripts == {f"{{cookiecutter.project}}-{command}": target for command, target in commands.items()}
     for target in scripts.values():
         module, _, function = target.partition(":")

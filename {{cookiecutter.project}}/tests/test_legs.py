@@ -13,10 +13,10 @@ from mlflow import MlflowClient
 from test_early_stopping import PATIENT
 from test_tracking import artifacts_of, git, provenance_of
 
-from {{cookiecutter.package}}.engine import mlflow_store  # noqa: F401 (it quiets MLflow in the processes that import it)
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.tracking import Tracker
-from {{cookiecutter.package}}.engine.unsent import STAGING
+from {{cookiecutter.package}}.engine.tracking import mlflow_store  # noqa: F401 (it quiets MLflow in the processes that import it)
+from {{cookiecutter.package}}.engine.tracking.tracker import Tracker
+from {{cookiecutter.package}}.engine.tracking.unsent import STAGING
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 

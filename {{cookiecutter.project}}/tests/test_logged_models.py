@@ -16,11 +16,11 @@ from test_distributed import CPU, store
 from test_export import val_loss
 from test_sharded import ALONE
 
-from {{cookiecutter.package}}.engine import tracking
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.home import best_of, path_of, step_of
-from {{cookiecutter.package}}.engine.logged_models import log_models
-from {{cookiecutter.package}}.engine.preemption import Stopped
+from {{cookiecutter.package}}.engine.signals import Stopped
+from {{cookiecutter.package}}.engine.tracking import tracker as tracking
+from {{cookiecutter.package}}.engine.tracking.logged_models import log_models
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -79,7 +79,7 @@ def test_the_sender_readies_model_logging_in_a_thread_while_the_run_trains():
     """torch, MLflow's PyTorch flavor and torch.export's first trace: seconds that the end of a
     short run waited for, done by the sender beside training once it opens a run that logs models."""
     check = (
-        "import sys; from {{cookiecutter.package}}.engine.logged_models import prepare_model_logging\n"
+        "import sys; from {{cookiecutter.package}}.engine.tracking.logged_models import prepare_model_logging\n"
         "assert 'torch' not in sys.modules\n"
         "prepare_model_logging().join()\n"
         "assert {'mlflow.pytorch', 'torch._dynamo'} <= set(sys.modules), 'not ready'"

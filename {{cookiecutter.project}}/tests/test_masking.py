@@ -1,11 +1,11 @@
-"""What looks like a credential in a diff bound for the tracking store (engine/masking.py): masked in
+"""What looks like a credential in a diff bound for the tracking store (engine/tracking/masking.py): masked in
 added, removed and context lines alike, its place kept (`password: <masked>`), the lines counted per
 file; what names a secret's place rather than its value, and the tokenizer's own tokens, left as
 they are; the diff's headers and its number of lines unchanged."""
 
 import pytest
 
-from {{cookiecutter.package}}.engine.masking import MASK, mask
+from {{cookiecutter.package}}.engine.tracking.masking import MASK, mask
 
 
 def diff_of(path: str, *lines: str) -> str:

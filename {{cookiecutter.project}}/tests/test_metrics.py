@@ -148,7 +148,7 @@ from hydra import compose, initialize_config_dir
 
 import {{cookiecutter.package}}.engine.train
 from {{cookiecutter.package}}.engine import components
-from {{cookiecutter.package}}.engine.evaluation import build_metrics
+from {{cookiecutter.package}}.engine.validation import build_metrics
 
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     for group in ("classification", "language_model"):

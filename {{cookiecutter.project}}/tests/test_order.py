@@ -1,4 +1,4 @@
-"""The order of an epoch (engine/order.py): a permutation at every size, computed per position, that a
+"""The order of an epoch (engine/data/order.py): a permutation at every size, computed per position, that a
 resume at any position continues exactly; checkpoints from before it resume in the order they had."""
 
 import copy
@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from {{cookiecutter.package}}.engine.data import EpochSampler, Position, batches, build_loader, epoch_seed
+from {{cookiecutter.package}}.engine.data.loaders import EpochSampler, batches, build_loader, epoch_seed
+from {{cookiecutter.package}}.engine.data.order import LISTED, SHUFFLED, Shuffle
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.distributed import World
-from {{cookiecutter.package}}.engine.order import LISTED, SHUFFLED, Shuffle
 
 BILLION = 10**9
 

@@ -12,7 +12,7 @@ import pytest
 from test_tracking import git, provenance_of
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.origin import UNTRACKED_BYTES, origin
+from {{cookiecutter.package}}.engine.tracking.origin import UNTRACKED_BYTES, origin
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 

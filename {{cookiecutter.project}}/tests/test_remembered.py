@@ -86,7 +86,11 @@ def test_typed_settings_win_even_at_their_defaults_and_derived_ones_follow_unles
         return merged(cfg, PROJECT / "step_00000010.pt", saved, said, cfg.keys())  # a path its messages would name
 
     derived = resumed_from("optimizer.lr=1e-3")
-    assert (derived.model._target_, derived.model.width, derived.data.block_size) == ("{{cookiecutter.package}}.models.GPT", 16, 16)
+    assert (derived.model._target_, derived.model.width, derived.data.block_size) == (
+        "{{cookiecutter.package}}.models.GPT",
+        16,
+        16,
+    )
     assert list(derived.metrics) == ["perplexity"]
     assert derived.strategy.type == "single", "where and how it runs is this command line's: one process here"
     assert (derived.trainer.max_steps, derived.optimizer.lr, derived.scheduler.total_steps) == (steps, lr, steps)

@@ -24,12 +24,14 @@ from omegaconf import OmegaConf
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint import home as homes
-from {{cookiecutter.package}}.engine.checkpoint import manifest, onefile, remote_run
-from {{cookiecutter.package}}.engine.checkpoint.fetch import fetch
-from {{cookiecutter.package}}.engine.checkpoint.mirror import Lost, Mirror
-from {{cookiecutter.package}}.engine.checkpoint.remote import Conflict, Store, StoreError
-from {{cookiecutter.package}}.engine.checkpoint.remote_claim import RemoteClaim
-from {{cookiecutter.package}}.engine.checkpoint.remote_url import checked
+from {{cookiecutter.package}}.engine.checkpoint import onefile
+from {{cookiecutter.package}}.engine.checkpoint.remote import manifest
+from {{cookiecutter.package}}.engine.checkpoint.remote import run_folder as remote_run
+from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim
+from {{cookiecutter.package}}.engine.checkpoint.remote.fetch import fetch
+from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
+from {{cookiecutter.package}}.engine.checkpoint.remote.store import Conflict, Store, StoreError
+from {{cookiecutter.package}}.engine.checkpoint.remote.url import checked
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError, SaveError
 

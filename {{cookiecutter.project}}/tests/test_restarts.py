@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.restarts import implied_resume, requeue
+from {{cookiecutter.package}}.engine.lifecycle.restarts import implied_resume, requeue
 
 LAUNCHERS = ("torchrun and SLURM set it for each process they start; unset the variables set by hand, or start the "
              "job with torchrun or SLURM")  # fmt: skip

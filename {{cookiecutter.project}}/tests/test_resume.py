@@ -12,15 +12,15 @@ import torch
 from conftest import losses, runs_named
 from torch.utils.data import TensorDataset
 
-from {{cookiecutter.package}}.engine import evaluation
 from {{cookiecutter.package}}.engine import train as recipe
+from {{cookiecutter.package}}.engine import validation as evaluation
+from {{cookiecutter.package}}.engine.checkpoint.home import GOODPUT as LEDGER
 from {{cookiecutter.package}}.engine.checkpoint.home import best_of, path_of
 from {{cookiecutter.package}}.engine.checkpoint.manager import Checkpointer
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.goodput import LEDGER
 from {{cookiecutter.package}}.engine.probe import Probe
 from {{cookiecutter.package}}.engine.ready.datasets import digits
 

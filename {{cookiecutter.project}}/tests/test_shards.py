@@ -1,4 +1,4 @@
-"""Token shards (engine/ready/shards.py): written from text files with their manifest, read a window
+"""Token shards (engine/data/formats/shards.py): written from text files with their manifest, read a window
 at a time, checked against the manifest before anything trains, recorded by the run's checkpoint so
 that a resume on changed shards is refused, and named when one is damaged under the run."""
 
@@ -13,9 +13,9 @@ from conftest import losses
 from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.data import DataError
-from {{cookiecutter.package}}.engine.ready.manifest import ShardDamaged, fingerprint
-from {{cookiecutter.package}}.engine.ready.shards import MANIFEST, Shard, described, token_shards, write
+from {{cookiecutter.package}}.engine.data.contract import DataError
+from {{cookiecutter.package}}.engine.data.formats.manifest import ShardDamaged, fingerprint
+from {{cookiecutter.package}}.engine.data.formats.shards import MANIFEST, Shard, described, token_shards, write
 
 # 4 shards of about 2,400 byte tokens: 3 to train on, about 38 windows of 64 each.
 GPT = ["experiment=token_gpt", "data.batch_size=8", "model.width=32", "model.depth=1", "trainer.max_steps=4"]
@@ -61,7 +61,7 @@ def test_nanogpts_uint32_train_and_val_files_read_once_described_by_the_manifest
     tokens = numpy.arange(70_000, 70_000 + 2 * 129, dtype=numpy.uint32)
     tokens[:129].tofile(tmp_path / "train.bin")
     tokens[129:].tofile(tmp_path / "val.bin")
-    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.ready.shards", "manifest", str(tmp_path)]
+    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.data.formats.shards", "manifest", str(tmp_path)]
     result = subprocess.run([*command, "--dtype", "uint32", "--vocab-size", "100000"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     data = token_shards(tmp_path, block_size=64)
@@ -86,7 +86,7 @@ def test_the_write_command_refuses_a_folder_that_holds_files_and_leaves_it_as_it
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "mine.txt").write_text("keep")
-    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.ready.shards", "write", str(texts), str(taken)]
+    command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.data.formats.shards", "write", str(texts), str(taken)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "exists and is not an empty folder" in result.stderr
@@ -177,7 +177,7 @@ def test_a_manifest_sealed_again_with_a_value_of_another_kind_is_refused_in_one_
         token_shards(shards, block_size=64)
     message = str(refused.value)
     assert message.startswith(f"{shards / MANIFEST} cannot be read (ValueError: {said[0]}") and "\n" not in message
-    assert message.endswith("write the shards again (python -m {{cookiecutter.package}}.engine.ready.shards write <text folder> "
+    assert message.endswith("write the shards again (python -m {{cookiecutter.package}}.engine.data.formats.shards write <text folder> "
                             "<shard folder>) or put their manifest back")  # fmt: skip
 
 

@@ -16,9 +16,11 @@ import pytest
 from conftest import configured, goodput_of, hold, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 
-from {{cookiecutter.package}}.engine import priority, standby
+from {{cookiecutter.package}}.engine import priority
+from {{cookiecutter.package}}.engine.checkpoint.home import GOODPUT as LEDGER
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.goodput import LEDGER, process_start
+from {{cookiecutter.package}}.engine.lifecycle import standby
+from {{cookiecutter.package}}.engine.lifecycle.goodput import process_start
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -150,7 +152,8 @@ def test_work_at_the_lowest_priority_runs_on_a_thread_of_its_own_and_leaves_the_
 
 def test_a_standby_warms_up_what_the_first_step_would_import_and_its_sender_at_the_lowest_priority():
     check = (
-        "import sys; from {{cookiecutter.package}}.engine import standby, tracking; tracking.start_sender(); "
+        "import sys; from {{cookiecutter.package}}.engine.lifecycle import standby; "
+        "from {{cookiecutter.package}}.engine.tracking import tracker as tracking; tracking.start_sender(); "
         "ahead = tracking._started._child; assert 'torch' not in sys.modules; standby.warm_up(); "
         "print(ahead.returncode, tracking._started._child.args[-1], "
         "all(name in sys.modules for name in ('{{cookiecutter.package}}.engine.train', 'torch._dynamo')))"

@@ -1,4 +1,4 @@
-"""A stream trains (engine/streams.py): in lanes, every step takes the same samples whatever the
+"""A stream trains (engine/data/streams.py): in lanes, every step takes the same samples whatever the
 processes and workers that read them, across resumes and epochs; without lanes, it resumes on the
 processes and workers it was read by, and says so at a resume that changes them."""
 
@@ -11,7 +11,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import IterableDataset, TensorDataset, get_worker_info
 
 from {{cookiecutter.package}}.engine import train as recipe
-from {{cookiecutter.package}}.engine.data import Data, Position, batches, build_loader
+from {{cookiecutter.package}}.engine.data.contract import Data
+from {{cookiecutter.package}}.engine.data.loaders import batches, build_loader
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
 

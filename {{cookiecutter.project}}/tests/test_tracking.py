@@ -25,18 +25,18 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from PIL import Image
 
-from {{cookiecutter.package}}.engine import mlflow_run, mlflow_store
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.config import MlflowConfig
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.mlflow_store import connect, experiment_id
 from {{cookiecutter.package}}.engine.provenance import record
-from {{cookiecutter.package}}.engine.sender import _Sender, replay
-from {{cookiecutter.package}}.engine.tracking import Tracker, check_tracking_uri
-from {{cookiecutter.package}}.engine.unsent import STAGING, spill
+from {{cookiecutter.package}}.engine.tracking import mlflow_run, mlflow_store
+from {{cookiecutter.package}}.engine.tracking.mlflow_store import connect, experiment_id
+from {{cookiecutter.package}}.engine.tracking.sender import _Sender, replay
+from {{cookiecutter.package}}.engine.tracking.tracker import Tracker, check_tracking_uri
+from {{cookiecutter.package}}.engine.tracking.unsent import STAGING, spill
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -279,7 +279,7 @@ def sender_clock(monkeypatch) -> SenderClock:
         def __getattr__(self, name):
             return getattr(time, name)
 
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.time", Time())
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.time", Time())
     return clock
 
 
@@ -336,7 +336,7 @@ def test_a_hanging_store_delays_delivery_but_every_metric_arrives_in_order_and_i
 
 
 def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 2.0)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.SEND_EVERY_SECONDS", 2.0)
     clock, store = sender_clock(monkeypatch), Store()
 
     def first_call_arrives() -> None:  # due 2 s after the first metric: no end of the run needed
@@ -349,8 +349,8 @@ def test_metrics_handed_over_step_by_step_reach_the_store_in_one_call_once_due(t
 
 
 def test_metrics_kept_through_an_outage_are_sent_when_the_store_returns(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
 
@@ -531,8 +531,8 @@ def test_a_file_handed_over_where_nothing_logs_or_under_a_name_mlflow_refuses_is
 
 
 def test_files_kept_through_an_outage_are_delivered_when_the_store_returns(tmp_path, monkeypatch):
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.RETRY_SECONDS", 0.05)
-    monkeypatch.setattr("{{cookiecutter.package}}.engine.sender.SEND_EVERY_SECONDS", 0.01)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.RETRY_SECONDS", 0.05)
+    monkeypatch.setattr("{{cookiecutter.package}}.engine.tracking.sender.SEND_EVERY_SECONDS", 0.01)
     clock, store = sender_clock(monkeypatch), Store()
     store.failing = True
     notes, image = staged(tmp_path, "notes.txt", "kept"), staged(tmp_path, "red.png", image=(5, 3))
@@ -683,8 +683,9 @@ def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down
     rows = [json.loads(line) for line in spill.read_text().splitlines()]
     assert [(row.get("step"), row.get("status")) for row in rows][-1] == (None, "FINISHED")
     assert {row["step"] for row in rows if "step" in row} >= {2}, "what came after the death"
-    assert f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.engine.tracking replay {spill}" in (
-        caplog.text
+    assert (
+        f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.engine.tracking replay {spill}"
+        in (caplog.text)
     )
     assert client.get_run(run_id).info.status == "RUNNING", "not FINISHED while its metrics are missing"
 

@@ -14,13 +14,14 @@ from torch.utils.data import Dataset, TensorDataset
 from {{cookiecutter.package}}.engine import components, progress
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
-from {{cookiecutter.package}}.engine.data import EpochSampler, Position, batches, build_loader, evaluation_loader
+from {{cookiecutter.package}}.engine.data.loaders import EpochSampler, batches, build_loader, evaluation_loader
+from {{cookiecutter.package}}.engine.data.position import Position
 from {{cookiecutter.package}}.engine.devices import to_device
 from {{cookiecutter.package}}.engine.distributed import World
 from {{cookiecutter.package}}.engine.errors import RunError
-from {{cookiecutter.package}}.engine.evaluation import evaluate
 from {{cookiecutter.package}}.engine.precision import build_scaler
 from {{cookiecutter.package}}.engine.seeding import seed_everything
+from {{cookiecutter.package}}.engine.validation import evaluate
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 

@@ -184,7 +184,7 @@ def test_a_forked_runs_sender_is_forked_too_and_ends_as_a_new_interpreters(tmp_p
     assert (reports[False]["forked"], reports[True]["forked"]) == (False, True)
     returncode, _, stderr = reports[True]["ended"]
     # argparse's usage names the module's file: `python -m` set sys.argv[0] to it.
-    assert returncode == 2 and stderr.startswith("usage: tracking.py ")
+    assert returncode == 2 and stderr.startswith("usage: __main__.py ")
     assert reports[True]["ended"] == reports[False]["ended"]
     # A test that trains in its own process starts its sender as a forked run does.
     command = [sys.executable, "-m", "{{cookiecutter.package}}.engine.tracking", "no-such-command"]

@@ -64,7 +64,7 @@ CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal
 CARRIED |= {"start_new_session"}
 MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
 IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
-IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.sender", "torch._dynamo")
+IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.tracking.sender", "torch._dynamo")
 IMPORTS += ("torch.distributed.run",)
 # What the sender imports as it opens the sqlite store (SQLAlchemy, Alembic's schema check): a second.
 IMPORTS += ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store")

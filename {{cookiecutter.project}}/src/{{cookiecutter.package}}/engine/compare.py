@@ -38,10 +38,10 @@ from .checkpoint.home import BEST, score_of, steps
 from .checkpoint.resume import state_at
 from .config import NAME, home_of
 from .errors import RunError, first_line, listed, reported, shown
-from .mlflow_store import sqlite_file
 from .provenance import flatten
 from .remembered import check_stored
 from .sweeps import figure
+from .tracking.mlflow_store import sqlite_file
 
 # What names a run and where it keeps things, which differ between any two runs; global_batch is
 # MLflow's alone (data.batch_size times the processes).

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.files import kind, temporary, write_atomically
 from .errors import shown
-from .goodput import compile_seconds
+from .files import kind, temporary, write_atomically
+from .lifecycle.goodput import compile_seconds
 
 log = logging.getLogger(__name__)
 

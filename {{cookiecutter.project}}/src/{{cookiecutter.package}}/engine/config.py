@@ -64,7 +64,7 @@ class CheckpointConfig:
     verify: bool = True  # checksums checked while a checkpoint loads (configs/checkpoint/default.yaml)
     async_save: bool = True  # written by a background thread while training goes on (checkpoint/background.py)
     keep_best: bool = True  # `best` names the checkpoint of the best optimized_metric; retention keeps it
-    remote: str | None = None  # a store's folder the home is mirrored to (checkpoint/remote_run.py); null: none
+    remote: str | None = None  # a store's folder the home is mirrored to (checkpoint/remote/run_folder.py); null: none
     remote_wait_s: float = 25.0  # how long a run's end waits for its newest checkpoint to be remote
     remote_lease_s: float = 60.0  # the remote claim's lease, renewed every third of it; at most 3600
     continuity: ContinuityConfig = field(default_factory=ContinuityConfig)

@@ -6,18 +6,18 @@ import logging
 import math
 
 from .checkpoint.schema import Checkpoint
-from .data import global_batch
-from .divergence import nonfinite_weights
+from .data.loaders import global_batch
 from .errors import RunError
-from .evaluation import evaluate
+from .lifecycle.divergence import nonfinite_weights
 from .parts import Run
 from .precision import setting
+from .validation import evaluate
 
 log = logging.getLogger(__name__)
 
 
 def measure(run: Run) -> float:
-    """The probe's loss now, evaluated as validation is (evaluation.py)."""
+    """The probe's loss now, evaluated as validation is (validation.py)."""
     return evaluate(run, run.probe.loader(run.cfg.device), shared=False)["val/loss"]
 
 

@@ -368,8 +368,7 @@ def check_device_per_process(cfg: "Config") -> None:
 {%- if cookiecutter.ipex %}
     if cfg.device.ipex:
         raise RunError(
-            f"device.ipex=true is for one process; drop it under strategy={cfg.strategy.type}, where torch's "
-            f"own xpu support (device=xpu) trains"
+            f"device.ipex=true is for one process; drop it under strategy={cfg.strategy.type} (device=xpu trains)"
         )
 {%- endif %}
 

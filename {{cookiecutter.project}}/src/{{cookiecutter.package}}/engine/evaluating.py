@@ -19,16 +19,17 @@ from .checkpoint.initial import lineage, load_weights
 from .checkpoint.initial import tags as lineage_tags
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values
-from .data import Data, evaluation_loader
+from .data.contract import Data
+from .data.loaders import evaluation_loader
 from .devices import audit_placement, set_cpu_threads
 from .distributed import World
 from .errors import reported, shown
-from .evaluation import check_wiring, evaluate
 from .provenance import datasets, record
 from .remembered import CommandLine
 from .saved_model import check_trained_alike, find, settings
-from .tracking import Tracker, check_tracking_uri
+from .tracking.tracker import Tracker, check_tracking_uri
 from .train import build
+from .validation import check_wiring, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def main(cfg: Config, which: str, spill_dir: Path) -> dict:
 def evaluate_checkpoint(cfg: Config, which: str, spill_dir: Path, said: CommandLine | None = None) -> dict:
     """The metrics of the model `checkpoint=<which>` holds, with the step it was saved at and the
     id of the MLflow run that records them (None untracked). `spill_dir`: where metrics MLflow
-    could not take wait for `replay` (tracking.py). Built from the checkpoint's settings with what
+    could not take wait for `replay` (tracking/tracker.py). Built from the checkpoint's settings with what
     the command line `said` changed; without `said`, from `cfg`."""
     cfg = settings(cfg, which, said)
     check_values(cfg)

@@ -21,12 +21,12 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from . import components
-from .checkpoint.files import write_new
 from .checkpoint.initial import lineage, load_weights
 from .config import Config, check_values
-from .data import build_data
+from .data.contract import build_data
 from .distributed import World, launcher_number
 from .errors import RunError, reported
+from .files import write_new
 from .remembered import CommandLine
 from .saved_model import check_trained_alike, find, settings
 

@@ -11,16 +11,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .config import AmpConfig, Config, TrainerConfig
-from .data import Data, Position
+from .data.contract import Data
+from .data.position import Position
 from .devices import to_device
 from .distributed import World
-from .goodput import Clock
+from .lifecycle.goodput import Clock
 from .monitor import Monitor
 from .precision import Scaler
 from .probe import Probe
 from .seeding import RandomState
 from .strategies import Single
-from .tracking import Tracker
+from .tracking.tracker import Tracker
 
 
 class Task(Protocol):
@@ -93,6 +94,24 @@ class Run(Evaluable):
     callbacks: Any  # yours, called at the recipe's points: hooks.Callbacks, whose hooks get this run
     clock: Clock  # where this leg's time goes: the run's goodput
     step: int = 0  # optimizer steps taken
+
+    def checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint holds, in the order a restore loads it: the model before the optimizer,
+        whose state follows the parameters' device, and the random state last, so that nothing
+        after it draws."""
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "data": self.data,  # what the data was (its shards'), checked before the position in it is restored
+            "position": self.position,
+            "probe": self.probe,
+            "tracker": self.tracker,
+            "monitor": self.monitor,
+            "callbacks": self.callbacks,
+            "rng": self.rng,
+        }
 
     @classmethod
     def around(cls, built: Evaluable, **training: Any) -> "Run":

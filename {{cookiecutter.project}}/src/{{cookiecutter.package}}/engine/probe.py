@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from .config import DeviceConfig
-from .data import evaluation_loader
+from .data.loaders import evaluation_loader
 from .errors import RunError
 
 

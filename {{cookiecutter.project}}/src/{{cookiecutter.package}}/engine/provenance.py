@@ -16,7 +16,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from .components import RESERVED
-from .data import Data, global_batch
+from .data.contract import Data
+from .data.loaders import global_batch
 from .devices import describe
 from .distributed import World
 

@@ -19,7 +19,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.home import BEST, has_checkpoints
-from .checkpoint.remote_run import fetched_to_read
+from .checkpoint.remote.run_folder import fetched_to_read
 from .checkpoint.resume import at, found_by_main, locate, run_named
 from .checkpoint.schema import Checkpoint
 from .components import RESERVED
@@ -85,7 +85,7 @@ def where(cfg: DictConfig, which: str) -> Path:
 
 def fetched(cfg: DictConfig, run: str, home: Path, asked: str) -> None:
     """With `checkpoint.remote`, the run `run`'s newest checkpoint that checks, and its best, fetched
-    into its `home` where that holds no checkpoint (remote_run.fetched_to_read). Not under torchrun:
+    into its `home` where that holds no checkpoint (run_folder.fetched_to_read). Not under torchrun:
     each of its processes reads the home before they meet, and none would wait for another's fetch."""
     if cfg.checkpoint.get("remote") is None or has_checkpoints(home):
         return

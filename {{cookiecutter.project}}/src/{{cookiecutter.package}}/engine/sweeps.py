@@ -38,10 +38,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint.files import read_regular, write_text
 from .errors import RunError, first_line, listed
-from .preemption import Stopped
-from .tracking import check_tracking_uri
+from .files import read_regular, write_text
+from .signals import Stopped
+from .tracking.tracker import check_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -237,7 +237,10 @@ class SweepCallback(Callback):
         except RunError as error:
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
-        from .mlflow_store import connect, experiment_id  # MLflow in the launching process only, not in each job's
+        from .tracking.mlflow_store import (  # MLflow in the launching process only, not in each job's
+            connect,
+            experiment_id,
+        )
 
         try:
             self._client = connect(config.mlflow.tracking_uri)

@@ -18,6 +18,7 @@ import yaml
 from hydra.plugins.config_source import ConfigSource
 
 from .errors import RunError, shown, typed
+from .moved import current
 
 ENGINE = __name__.rpartition(".")[0]
 PACKAGE = ENGINE.partition(".")[0]
@@ -28,15 +29,16 @@ Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
 def check(config: dict, own: dict, roots: Sequence[Path], source: Path) -> None:
     """Refuses, in one line, the first `_target_` of `config` (what a command builds from, with the
     values of the checkpoint `source`) that neither `own` (this command's config) nor the config
-    folders `roots` name at its key, and that the package does not define."""
-    allowed = set(named(own))
+    folders `roots` name at its key, and that the package does not define. A target is compared by
+    its path now: a config written before the engine's folders may name an old one (moved.py)."""
+    allowed = {(key, current(target)) for key, target in named(own)}
     in_configs: set[tuple[str, str]] | None = None  # read only when a target is not this command's own
     for key, target in named(config):
-        if (key, target) in allowed:
+        if (key, current(target)) in allowed:
             continue
         if in_configs is None:
-            in_configs = set().union(*(targets_in(root) for root in roots))
-        if (key, target) in in_configs or defined_here(target):
+            in_configs = {(at, current(name)) for root in roots for at, name in targets_in(root)}
+        if (key, current(target)) in in_configs or defined_here(target):
             continue
         raise RunError(
             f"{shown(source)} holds a config that names {shown(key)}={shown(target)}, which neither configs/ nor this "

@@ -1,5 +1,5 @@
 """The training recipe, top to bottom: join the other processes (if any), claim the checkpoint
-home, `setup` (build, place, wrap, restore, audit), check continuity, `fit`, `finish`, and
+home, `setup` (`assemble`: build, place, wrap; `restore`, audit), check continuity, `fit`, `finish`, and
 `log_models` once the run has finished for good.
 
 The order is the point of this file. Each numbered step says why it stands where it does; moving
@@ -13,35 +13,39 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from . import compile_cache, components, continuity, distributed, param_groups, restarts, standby, strategies
-from .checkpoint import initial, remote_run
+from . import compile_cache, components, continuity, distributed, param_groups, strategies
+from .callbacks.hooks import CallbackError, Callbacks
+from .callbacks.time_limit import Hold
+from .checkpoint import initial
 from .checkpoint.claim import claim
 from .checkpoint.manager import Checkpointer
-from .checkpoint.mirror import Mirror
-from .checkpoint.remote_run import RemoteRun
+from .checkpoint.remote import run_folder
 from .checkpoint.schema import Checkpoint
 from .config import Config, check_values, continuing
-from .data import DataError, Position, batches, build_data, build_loader, evaluation_loader
+from .data.contract import DataError, build_data
+from .data.loaders import batches, build_loader, evaluation_loader
+from .data.position import Position
 from .devices import audit_placement, describe, set_cpu_threads
 from .distributed import World
-from .divergence import Divergence
 from .errors import RunError, reported, shown
-from .evaluation import build_metrics, check_wiring, evaluate, scheduled, validate
-from .goodput import Clock
-from .hooks import CallbackError, Callbacks
+from .lifecycle import restarts, standby
+from .lifecycle.divergence import Divergence
+from .lifecycle.goodput import Clock
+from .lifecycle.preemption import Preemption
 from .monitor import Monitor
 from .parts import Evaluable, Run
 from .precision import build_scaler
 from .precision import describe as describe_amp
-from .preemption import Preemption, Stopped
 from .probe import Probe
 from .progress import Progress, Throughput
 from .provenance import datasets, record, run_name
 from .remembered import CommandLine, resumed
 from .seeding import RandomState, seed_everything
+from .signals import Stopped
 from .step import train_step
 from .sweeps import current_job
-from .tracking import Tracker, check_tracking_uri
+from .tracking.tracker import Tracker, check_tracking_uri
+from .validation import build_metrics, check_wiring, evaluate, scheduled, validate
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +66,9 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
     settings and what the command line `said` changed (remembered.py); without `said`, with `cfg`."""
     cfg.resume = restarts.implied_resume(cfg.resume)  # a job that came back by itself continues
     # A standby leg, started warm beside the leg that trains, waits here for that leg to end.
-    # checkpoint.remote, held (and an empty home filled from it) by the command line's settings, before a resume's.
-    with standby.taking_over(cfg, said) as took_over, remote_run.held(cfg, current_job() is not None) as remote:
+    # checkpoint.remote, held (and an empty home filled from it) by the command line's settings, before a
+    # resume's; the home's Checkpointer mirrors to it.
+    with standby.taking_over(cfg, said) as took_over, run_folder.held(cfg, current_job() is not None):
         # Before anything is checked or built: a resume's settings are its checkpoint's but what was typed.
         cfg = resumed(cfg, said)
         check_values(cfg)
@@ -76,38 +81,35 @@ def train(cfg: Config, said: CommandLine | None = None) -> dict:
             log.info(f"device: {describe(world.device)}; amp: {describe_amp(cfg.amp)}; {describe_world(world)}")
             if cfg.mlflow.enabled:
                 world.on_main(lambda: check_tracking_uri(cfg.mlflow))
-            return train_in(cfg, world, took_over, remote)
+            return train_in(cfg, world, took_over)
 
 
-def train_in(cfg: Config, world: World, began: float | None = None, remote: RemoteRun | None = None) -> dict:
+def train_in(cfg: Config, world: World, began: float | None = None) -> dict:
     """Steps 2 to 11, in this process's place among the job's; this leg's time counts from `began`
-    (a standby's takeover), or from the process's start; its checkpoints mirrored to `remote`."""
+    (a standby's takeover), or from the process's start."""
     # 2. The checkpoint home, held by rank 0 until the run ends: a second run with the same name,
     #    a fresh run over saved checkpoints, or a folder that cannot take checkpoints, stops here,
     #    not at a save hours later. A run refused before it saves leaves the folder as it found it.
     home = Path(cfg.checkpoint.dir)
     initial.check_apart(cfg)  # a fine-tune's source is another run's: this one's would be continued, and pruned
     with world.held_by_main(lambda: claim(home, fresh=cfg.name if cfg.resume is None else None)):
-        mirror = remote.mirroring(home, cfg.checkpoint.keep_last) if remote is not None else None  # rank 0's only
-        run, checkpoints, found = setup(cfg, world, home, began, mirror)
+        run, checkpoints, found = setup(cfg, world, home, began)
         if found and run.monitor.finished(run.step):  # a resume with nothing left to train
             return nothing_to_train(run, checkpoints)
 
         # 10. One MLflow run across resumes; then the continuity check: the probe loss now must
         #     match the probe loss stored at save. Signals wait for a checkpoint from here on.
         status, unsaved = "FAILED", None
-        with Preemption(cfg.trainer.hook_timeout_s, checkpoints.continuation) as preemption:
+        with Preemption(Hold(cfg.trainer.hook_timeout_s, checkpoints.continuation)) as preemption:
             # What a validation asks before each batch, as the loop does at each step: a stop reaches it within one.
-            stop = lambda: preemption.agreed(world, remote.lost if remote is not None else None, during="validation")  # noqa: E731
+            stop = lambda: preemption.agreed(world, checkpoints.lost, during="validation")  # noqa: E731
             lineage, inputs = initial.tags(checkpoints.source), datasets(cfg.data, run.data, ("train", "val"))
             run.tracker.open(*record(cfg, world, lineage), checkpoint=found and found.path, datasets=inputs)
             try:
                 verdict = continuity.check(run, found) if found else "fresh"
                 with checkpoints:
                     try:
-                        result = finish(
-                            run, checkpoints, fit(run, checkpoints, preemption, stop, remote), verdict, stop
-                        )
+                        result = finish(run, checkpoints, fit(run, checkpoints, preemption, stop), verdict, stop)
                     except CallbackError as error:  # raised on every process at once (hooks.py)
                         where, then = checkpoints.on_disk(), checkpoints.continuation()
                         if error.stopped is None:
@@ -126,8 +128,7 @@ def train_in(cfg: Config, world: World, began: float | None = None, remote: Remo
                 run.tracker.log_metrics(run.clock.totals(run.step), run.step)
                 run.tracker.finish(status)
                 run.clock.close(run.step)
-                if remote is not None:  # its account too, as the leg ends
-                    remote.settle()
+                checkpoints.settle()  # the remote's, its account too, as the leg ends
 
     newest = checkpoints.path_of(run.step)
     if status == "KILLED":
@@ -157,10 +158,17 @@ def describe_world(world: World) -> str:
 
 
 def setup(
-    cfg: Config, world: World, home: Path, began: float | None = None, mirror: Mirror | None = None
+    cfg: Config, world: World, home: Path, began: float | None = None
 ) -> tuple[Run, Checkpointer, Checkpoint | None]:
-    """Steps 3 to 9: the run built, on its device, wrapped for data parallelism, restored from
-    the checkpoint `resume=` names (returned), and audited; its checkpoints handed to `mirror`."""
+    """Steps 3 to 9: the run assembled on its device, restored from the checkpoint `resume=` names
+    (returned), and audited."""
+    run = assemble(cfg, world, home, began)
+    checkpoints, found = restore(run, home)
+    return run, checkpoints, found
+
+
+def assemble(cfg: Config, world: World, home: Path, began: float | None) -> Run:
+    """Steps 3 to 6: the run built, on its device, and wrapped for data parallelism."""
     strategy = strategies.choose(cfg, world)
     built = build(cfg, world, strategy)  # steps 3 and 4
     model = built.model
@@ -176,7 +184,7 @@ def setup(
     #    whose library is missing stops the run here, not at the first validation.
     optimizer = param_groups.build_optimizer(cfg.optimizer, model)
     scheduler = components.build("scheduler", cfg.scheduler, optimizer=optimizer)
-    run = Run.around(
+    return Run.around(
         built,
         wrapped=wrapped,
         optimizer=optimizer,
@@ -191,32 +199,23 @@ def setup(
         clock=Clock(began),
     )
 
+
+def restore(run: Run, home: Path) -> tuple[Checkpointer, Checkpoint | None]:
+    """Steps 7 to 9: the run's parts handed to its Checkpointer, restored from the checkpoint
+    `resume=` names (returned) or started from another run's weights, optimized for the device, and
+    audited."""
+    cfg, world = run.cfg, run.world
     # 7. Restore, after the move: Optimizer.load_state_dict casts the saved state to the device
     #    of the parameters as they are *now*. Loaded before the move, it would stay on the CPU
     #    and the first step would fail with "Expected all tensors to be on the same device".
-    #    What a checkpoint holds, in the order a restore loads it: the model before the optimizer,
-    #    whose state follows the parameters' device, and the random state last, so that nothing
-    #    after it draws.
-    parts = {
-        "model": run.model,
-        "optimizer": run.optimizer,
-        "scheduler": run.scheduler,
-        "scaler": run.scaler,
-        "data": run.data,  # what the data was (its shards'), checked before the position in it is restored
-        "position": run.position,
-        "probe": run.probe,
-        "tracker": run.tracker,
-        "monitor": run.monitor,
-        "callbacks": run.callbacks,
-        "rng": run.rng,
-    }
+    #    What a checkpoint holds, in the order a restore loads it: parts.py's Run.checkpointed.
     checkpoints = Checkpointer(
         cfg,
         world,
-        strategy,
-        parts,
+        run.strategy,
+        run.checkpointed(),
         ready=lambda: continuity.unsaveable(run),
-        saved=lambda step, state: saved(run, checkpoints, mirror, step, state),
+        saved=lambda step, state: run.tracker.log_checkpoint(state["probe"]["loss"], step),
         landed=lambda path: landed(run, home, path),
     )
     with run.clock.during("restore"):
@@ -240,7 +239,7 @@ def setup(
 
         run.model, run.optimizer = ipex_optimize(run.model, run.optimizer, cfg.amp)
         run.wrapped = run.model  # one process only (distributed.py refuses IPEX under ddp)
-        parts.update(model=run.model, optimizer=run.optimizer)
+        checkpoints.parts.update(model=run.model, optimizer=run.optimizer)
 {%- endif %}
     if cfg.trainer.compile:
         compile_cache.load(home, world.device)  # what earlier legs compiled, from this run's own home only
@@ -253,14 +252,7 @@ def setup(
     audit_placement(run.device, run.model, run.optimizer, run.scaler)
     check_wiring(run)
     checkpoints.check_room()
-    return run, checkpoints, found
-
-
-def saved(run: Run, checkpoints: Checkpointer, mirror: Mirror | None, step: int, state: dict) -> None:
-    """A checkpoint is in its home (said by the thread that wrote it, so its upload starts now)."""
-    run.tracker.log_checkpoint(state["probe"]["loss"], step)
-    if mirror is not None and run.world.is_main:
-        mirror.landed(checkpoints.path_of(step))
+    return checkpoints, found
 
 
 def landed(run: Run, home: Path, path: Path) -> None:
@@ -292,9 +284,7 @@ def build(cfg: Config, world: World, strategy: strategies.Single) -> Evaluable:
     return Evaluable(cfg, world, strategy, data, task, val_loader, model, criterion, metrics)
 
 
-def fit(
-    run: Run, checkpoints: Checkpointer, preemption: Preemption, stop: Callable[[], bool], remote: RemoteRun | None
-) -> dict[str, float]:
+def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption, stop: Callable[[], bool]) -> dict[str, float]:
     """11. Trains to `trainer.max_steps`, a signal or an early stop (monitor.py); saves on
     schedule, each save validated for its rank (checkpoint.keep_best). A save that fails (a full
     disk) costs a warning and is tried again at the next save point; a loss that is not finite
@@ -334,7 +324,7 @@ def fit(
                 run.tracker.log_metrics({"train/loss": value, **lrs, **norm, **rates}, run.step)
                 progress.report(run.step, value, rates[meter.rate], meter.unit)
                 run.clock.beat(run.step)
-                lost = remote.lost if remote is not None else None  # rank 0's; every rank stops at the next agreement
+                lost = checkpoints.lost  # rank 0's; every rank stops at the next agreement
             # A validation cut short by a stop ends the step: the loop's check ends the run, as after any step.
             if scheduled(trainer, run.step) and validate(run, loss.item(), stop, judged=True) is None:
                 continue

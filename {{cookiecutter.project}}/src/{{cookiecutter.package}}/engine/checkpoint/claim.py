@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointError, RunError, shown, typed
-from .files import NotPlain, load_restricted, open_plain, remove, temporary
+from ..files import NotPlain, load_restricted, open_plain, remove, temporary
 from .home import LOCK, TEMPORARY, has_checkpoints, steps
 from .schema import STATE
 

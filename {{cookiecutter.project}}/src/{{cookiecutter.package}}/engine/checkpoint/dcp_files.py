@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..errors import CheckpointError, first_line
-from .files import Checksummed, checksum, kind, load_restricted, mapped, open_regular
+from ..files import Checksummed, checksum, kind, load_restricted, mapped, open_regular
 
 METADATA = ".metadata"
 

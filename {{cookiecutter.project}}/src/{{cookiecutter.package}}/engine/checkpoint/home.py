@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import CheckpointError
-from .files import (
+from ..files import (
     NotRegular,
     load_restricted,
     open_regular,
@@ -34,6 +34,7 @@ POINTER = "latest"
 BEST = "best"  # names the checkpoint of the best optimized_metric, which retention keeps
 SCORES = "scores.json"  # the ranking for `best`: each checkpoint's optimized_metric, which it also holds itself
 LOCK = "run.lock"
+GOODPUT = "goodput.json"  # the account of where the run's time went (lifecycle/goodput.py), mirrored too
 ASIDE = "set-aside-"  # the folders a resume from an earlier step moves the newer checkpoints into (aside)
 NAME = re.compile(r"step_(\d{8,})(\.pt)?")  # as path_of writes them: a user's step_7.pt is not ours
 # The temporary files and folders the package writes (files.temporary), and so the only ones it

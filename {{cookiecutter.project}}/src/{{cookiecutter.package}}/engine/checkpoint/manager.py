@@ -1,8 +1,10 @@
 """The run's checkpoints, owned by one object the recipe hands its parts to: it restores them from
 what `resume=` names, or starts a fresh model from another run's weights (`init.checkpoint`),
 saves them on schedule (in the background with `checkpoint.async_save`), and makes the last save,
-which must succeed. The recipe knows nothing of files, shards, seals or
-writer threads; which format a save takes is decided here, by the strategy, and nowhere else.
+which must succeed; with `checkpoint.remote`, it mirrors each save to the run's remote folder
+(remote/), and says when another machine took that folder over. The recipe knows nothing of files,
+shards, seals, writer threads or stores; which format a save takes is decided here, by the
+strategy, and nowhere else.
 """
 
 import logging
@@ -19,14 +21,15 @@ from ..config import Config, continuing
 from ..devices import describe
 from ..distributed import World
 from ..errors import CheckpointError, RunError, SaveError, listed, readable
+from ..files import check_room
 from ..param_groups import hyperparameters, keep_configured
 from ..precision import setting
 from ..provenance import library_versions
 from ..strategies import Single
 from . import compatibility, initial, onefile
 from .background import Snapshot, Writer
-from .files import check_room
 from .home import best_of, path_of, rank, set_aside_newer, step_of
+from .remote.run_folder import held_for
 from .resume import find, found_by_main
 from .schema import FORMAT_VERSION, LATER_PARTS, SHARDED_PARTS, Checkpoint
 
@@ -48,6 +51,8 @@ class Checkpointer:
     checkpoint proves); the tracker part's metrics so far are in MLflow's sender's hands before the
     checkpoint is visible; `saved(step, state)` is told of each checkpoint once it is on disk, from
     the thread that wrote it; `landed(path)`, from the training thread, once the run knows it is.
+    The run's remote folder, where this process holds one for the home (remote/run_folder.held),
+    gets each checkpoint from the thread that wrote it, as soon as it is on disk.
     Leaving the `with` block waits for a write still in flight, so that no run ends, or releases its
     checkpoint folder, while one of its files is half written.
     """
@@ -65,6 +70,9 @@ class Checkpointer:
         self.cfg, self.world, self.strategy, self.parts = cfg, world, strategy, parts
         self.home, self.settings = Path(cfg.checkpoint.dir), cfg.checkpoint
         self._ready, self._on_saved, self._landed = ready, saved, landed
+        # Rank 0's, started before the restore, which tells it where the run resumed (home.mirrored).
+        self.remote = held_for(self.home)
+        self._mirror = self.remote.mirroring(self.home, self.settings.keep_last) if self.remote else None
         self.newest: Path | None = None  # this run's newest checkpoint on disk, or the one it resumed from
         self.source: dict | None = None  # the checkpoint of another run its weights started from (initial.lineage)
         self.failed: SaveError | None = None
@@ -104,6 +112,17 @@ class Checkpointer:
 
     def path_of(self, step: int) -> Path:
         return path_of(self.home, step, folder=self.strategy.shards)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this machine no longer holds the run's remote folder, once another took it over."""
+        return self.remote.lost if self.remote is not None else None
+
+    def settle(self) -> None:
+        """The leg's end: its newest checkpoint and the run's account remote within
+        checkpoint.remote_wait_s, and said."""
+        if self.remote is not None:
+            self.remote.settle()
 
     def restore(self, resume: str | None) -> Checkpoint | None:
         """The checkpoint `resume=` names, as rank 0 finds (and, with `checkpoint.verify`, checks)
@@ -282,7 +301,7 @@ class Checkpointer:
             return
         self._handed_over()
         path = sharded.save(state, model, optimizer, self.home, self.settings.keep_last, self.world)
-        self._on_saved(step, state)
+        self._written(step, state)
         self._saved(path, step)
 
     def _write(self, state: dict) -> Path:
@@ -290,8 +309,15 @@ class Checkpointer:
         from the training thread or the writer's."""
         self._handed_over()
         path = onefile.save(state, self.home, self.settings.keep_last)
-        self._on_saved(state["step"], state)
+        self._written(state["step"], state)
         return path
+
+    def _written(self, step: int, state: dict) -> None:
+        """The checkpoint of `step` is in its home: its news, from the thread that wrote it, so that
+        its upload starts now."""
+        self._on_saved(step, state)
+        if self._mirror is not None:
+            self._mirror.landed(self.path_of(step))
 
     def _capture(self, step: int) -> dict:
         """The parts' state as a checkpoint holds it (under strategy=fsdp, less the shards), with
@@ -329,7 +355,7 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             self._handed_over()  # written long since, as a rule: the shards took longer
             path = sharded.finish(pending, self._writer, self.home, self.settings.keep_last, self.world)
-            self._on_saved(step, pending.state)
+            self._written(step, pending.state)
         else:
             path = self.world.on_main(lambda: self._writer.wait())  # rank 0 has the writer
         self._saved(path, step)

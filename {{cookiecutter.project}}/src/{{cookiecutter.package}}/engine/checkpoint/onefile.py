@@ -19,7 +19,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CheckpointError, SaveError
-from .files import Checksummed, checksum, first_failing, load_restricted, mapped, open_regular, write_atomically
+from ..files import Checksummed, checksum, first_failing, load_restricted, mapped, open_regular, write_atomically
 from .home import completed, path_of
 
 # The end of a zip archive: 22 bytes, the last two the length of the archive's comment.

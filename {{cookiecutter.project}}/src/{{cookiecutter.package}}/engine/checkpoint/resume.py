@@ -12,9 +12,9 @@ from omegaconf import DictConfig
 from ..config import NAME, home_of
 from ..distributed import World
 from ..errors import CheckpointError, RunError
+from ..files import kind
 from . import home as homes
 from . import onefile, schema
-from .files import kind
 from .schema import Checkpoint
 
 log = logging.getLogger(__name__)

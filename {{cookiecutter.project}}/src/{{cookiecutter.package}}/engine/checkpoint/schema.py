@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CheckpointError
+from ..moved import current_targets
 
 # The layout below; a checkpoint of any other is refused in one line that names its format.
 FORMAT_VERSION = 3
@@ -41,7 +42,8 @@ STATE = "state.pt"  # in a folder checkpoint: everything but the shards
 
 def check(path: Path, state: object, sharded: bool) -> None:
     """Raises a CheckpointError naming `path` and what is wrong, unless `state` is a complete
-    checkpoint of format 3 (of a folder checkpoint: its `state.pt`)."""
+    checkpoint of format 3 (of a folder checkpoint: its `state.pt`); names the targets of its
+    config by their paths now (moved.py)."""
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
@@ -55,6 +57,9 @@ def check(path: Path, state: object, sharded: bool) -> None:
     }
     if problems := _problems(state, parts, {**META, "shards": dict} if sharded else META):
         raise CheckpointError(f"{path} is not a complete checkpoint: {'; '.join(problems)}")
+    # Saved before the engine's folders, its config names some of the engine's components by
+    # their old paths: every reader of it (a resume, eval.py, export.py, compare) sees them now's.
+    current_targets(state["config"])
 
 
 def _problems(state: dict, parts: dict[str, tuple[str, ...]], meta: dict[str, type]) -> list[str]:

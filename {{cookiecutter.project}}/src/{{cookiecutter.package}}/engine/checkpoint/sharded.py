@@ -35,6 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed import World
 from ..errors import CheckpointError, SaveError
+from ..files import (
+    first_failing,
+    remove,
+    sync_folder,
+    temporary,
+)
 from . import onefile, schema
 from .background import Snapshot, Writer
 from .dcp_files import (
@@ -46,12 +52,6 @@ from .dcp_files import (
     inside,
     read_metadata,
     refuse,
-)
-from .files import (
-    first_failing,
-    remove,
-    sync_folder,
-    temporary,
 )
 from .home import completed, path_of
 from .schema import STATE

@@ -1,4 +1,4 @@
-"""The ready callbacks (engine/hooks.py says what a callback is), each picked by a file of
+"""The ready callbacks (engine/callbacks/hooks.py says what a callback is), each picked by a file of
 configs/callbacks/: `callbacks=[confusion_matrix]`, `callbacks=[text_sample]`."""
 
 from typing import Any

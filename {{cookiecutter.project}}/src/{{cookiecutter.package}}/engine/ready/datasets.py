@@ -5,7 +5,7 @@ parameters, as a model's are; one annotated `Path` says where the data is, not w
 and export.py take a new one for a run whose data moved. Its files are read with `data.read_file`.
 
 A dataset may be of any kind whose samples the loader can batch: (input, target) pairs, dicts or
-tuples of tensors; the task (tasks.py) says what a batch holds. The runner's loader (data.py)
+tuples of tensors; the task (tasks.py) says what a batch holds. The runner's loader (engine/data/loaders.py)
 decides their order, and resumes it mid-epoch.
 """
 
