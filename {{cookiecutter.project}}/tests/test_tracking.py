@@ -683,10 +683,8 @@ def test_what_a_dead_sender_left_waits_in_the_spill_file_while_the_store_is_down
     rows = [json.loads(line) for line in spill.read_text().splitlines()]
     assert [(row.get("step"), row.get("status")) for row in rows][-1] == (None, "FINISHED")
     assert {row["step"] for row in rows if "step" in row} >= {2}, "what came after the death"
-    assert (
-        f"the run shows RUNNING in MLflow until they are: python -m {{cookiecutter.package}}.engine.tracking replay {spill}"
-        in (caplog.text)
-    )
+    replay_line = f"python -m {{cookiecutter.package}}.engine.tracking replay {spill}"
+    assert f"the run shows RUNNING in MLflow until they are: {replay_line}" in caplog.text
     assert client.get_run(run_id).info.status == "RUNNING", "not FINISHED while its metrics are missing"
 
     replay(spill, client.tracking_uri)
