@@ -199,6 +199,7 @@ def assert_refused_without_a_trace(refused: subprocess.CompletedProcess, project
         [],
         [project / "configs" / "config.yaml"],
         [project / "configs" / "experiment" / "keyed.yaml"],
+        [project / "configs" / "checkpoint" / "keyed.yaml"],
     )  # the test's own
 
 
@@ -219,6 +220,31 @@ def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_o
         config.write_text(config.read_text().replace("hydra:\n", f"hydra:\n{params}"))
         overrides = [] if where.endswith("not a sweep") else ["-m"]
     assert_refused_without_a_trace(run_cli(project, *overrides, "trainer.max_steps=2"), project)
+
+
+@pytest.mark.parametrize(
+    "where, swept",
+    [
+        ("checkpoint/keyed.yaml", ["checkpoint=default,keyed"]),
+        ("experiment/keyed.yaml", ["experiment=cnn_digits,keyed"]),
+        ("checkpoint/keyed.yaml", []),  # config.yaml's hydra.sweeper.params choose the options
+    ],
+    ids=["typed-group", "typed-experiment", "sweeper-params-group"],
+)
+def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writes_its_config(project, where, swept):
+    """A sweep over a config group composes each job's config in the job, which writes it whole to
+    its .hydra/ (config.yaml, hydra.yaml) before it starts: the job refused the URL, the file held it."""
+    option = project / "configs" / where
+    option.parent.mkdir(exist_ok=True)
+    if where.startswith("experiment"):
+        option.write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n      checkpoint.remote: {KEYED}\n")
+    else:
+        option.write_text(f"defaults:\n  - default\nremote: {KEYED.partition(',')[2]}\n")
+    if not swept:
+        config = project / "configs" / "config.yaml"
+        params = "  sweeper:\n    params:\n      checkpoint: default,keyed\n"
+        config.write_text(config.read_text().replace("hydra:\n", f"hydra:\n{params}"))
+    assert_refused_without_a_trace(run_cli(project, "-m", *swept, "trainer.max_steps=2"), project)
 
 
 # --- the store ----------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ environment and provider chain (`AWS_*` and `~/.aws`, `GOOGLE_APPLICATION_CREDEN
 (s3fs would take `user:secret@bucket` for a bucket's name and print it in its errors), and before
 Hydra prints or writes it down: the command line is read before Hydra parses it (`refuse_typed`,
 first in run.py, eval.py and export.py: Hydra prints an override it cannot parse whole), and what
-a sweep lists in its configs (`hydra.sweeper.params`) before the launcher prints each job's
-overrides and writes `multirun.yaml` (RemoteURLCheck). A refusal repeats none of the URL but a
+a sweep lists in its configs (`hydra.sweeper.params`) or in the options it chooses before the
+launcher prints each job's overrides and writes `multirun.yaml` or a job's .hydra/ (RemoteURLCheck). A refusal repeats none of the URL but a
 store's scheme: where a URL carries a secret, no rule can say where the secret ends (an AWS secret
 key holds `/` and `+`).
 """
@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
@@ -82,13 +83,14 @@ class RemoteURLCheck(Callback):
     """Hydra's callback (engine.yaml) that refuses, in one line, a `checkpoint.remote` carrying a
     credential before Hydra prints or writes it: each value a sweep lists on the command line or
     in `hydra.sweeper.params` (the launcher prints each job's, and `multirun.yaml`, `hydra.yaml`
-    hold them), and the composed one (an interpolation resolved)."""
+    hold them), the composed one (an interpolation resolved), and each one an option the sweep
+    chooses sets or lists (its job's .hydra/ holds it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         reported(lambda: _each_checked(_configured(config)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        reported(lambda: _each_checked(_configured(config)))
+        reported(lambda: _each_checked(_swept(config)))
 
 
 def _each_checked(urls: Iterable[str]) -> None:
@@ -103,6 +105,32 @@ def _configured(config: DictConfig) -> Iterator[str]:
     yield from _given([*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())])
     if (url := config.checkpoint.get("remote")) is not None:
         yield str(url)
+
+
+def _swept(config: DictConfig) -> Iterator[str]:
+    """The values of `checkpoint.remote` in a sweep's `config` (`_configured`), and in the config of
+    each option the sweep chooses for a config group (`experiment=a,b`, `checkpoint=default,keyed`,
+    typed or the sweeper's param), composed as its job's will be: each job writes its own config to
+    its .hydra/ before it starts, and an option's file may set `checkpoint.remote` or list a sweep."""
+    yield from _configured(config)
+    loader = GlobalHydra.instance().config_loader()
+    params = OmegaConf.select(config, SWEPT) or {}
+    try:
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(
+            [*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+        )
+    except HydraException:
+        return  # the sweeper says what it cannot parse, a checkpoint.remote refused above
+    fixed = [override.input_line for override in overrides if not override.is_sweep_override()]
+    for override in overrides:
+        if not (override.is_discrete_sweep() and loader.get_group_options(override.key_or_group)):
+            continue
+        for option in override.sweep_string_iterator():
+            job = f"{override.get_key_element()}={option}"
+            try:
+                yield from _configured(loader.load_sweep_config(config, [*fixed, job]))
+            except HydraException:
+                continue  # an option that does not compose: its job says so
 
 
 SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
