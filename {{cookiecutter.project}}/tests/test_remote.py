@@ -147,7 +147,12 @@ def test_a_store_whose_package_is_missing_is_refused_naming_what_to_install(monk
         ("ｓ3://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("s3：//bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("my_store://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
-        ("file://shared/runs", "checkpoint.remote=file://... names a host, which a file:// URL cannot reach"),
+        ("file://shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot reach"),
+        # A share's `//host/...` (Linux reads it as `/...`), as a file: URL or a path, and a file: URL's relative path.
+        ("file:////shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot"),
+        ("//shared/runs", "checkpoint.remote=... names a host, which a path or a file:// URL cannot reach"),
+        ("\\\\shared\\runs", "checkpoint.remote=... names a host, which a path or a file:// URL cannot reach"),
+        ("file:runs", "checkpoint.remote=... names no absolute path (file:///<path> is a mounted folder's)"),
     ],
 )
 def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_folder(url, said, tmp_path, monkeypatch):
@@ -156,6 +161,17 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
         Store(url)
     assert str(refused.value).startswith(f"{said}") and "; give s3://<bucket>/<folder>, " in str(refused.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["ｓ3://bkt/runs", "file:runs", "//{here}/runs", "file:////{here}/runs"])
+def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_one_line(project, url):
+    """Each was a folder the run mirrored into without a word: `./ｓ3:/bkt/runs`, `./runs`, and
+    `<project>/runs` for a share's `//<host>/...` (here the project's path, which Linux reads so)."""
+    url = url.format(here=str(project).lstrip("/"))
+    refused = run_cli(project, "device=cpu", "trainer.max_steps=2", f"checkpoint.remote={url}")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: checkpoint.remote=") and "; give s3://<bucket>/" in refused.stderr
+    assert sorted(path.name for path in project.iterdir()) == ["configs", "eval.py", "export.py", "run.py"]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ store's scheme: where a URL carries a secret, no rule can say where the secret e
 key holds `/` and `+`).
 """
 
+import re
 import unicodedata
 from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
@@ -31,6 +32,7 @@ PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": 
 # Where a URL's user part is the store's own (Azure's container@account), not a credential.
 NAMED_USER = ("az", "abfs", "abfss")
 LOCAL_HOSTS = ("", "localhost")  # what a file:// URL may name before its path
+HOST = "names a host, which a path or a file:// URL cannot reach (file:///<path> or the path is a mounted folder's)"
 
 
 def checked(url: str) -> str:
@@ -43,10 +45,13 @@ def checked(url: str) -> str:
     # and '@': a time, an address); without `//`, no host part is told from the path: all of it.
     login = host if rest.startswith("//") else rest
     said = f"{scheme}://..." if scheme and rest.startswith("//") else "..."
+    path = urlsplit(url).path if scheme == "file" else url  # the folder a path or a file: URL names
     if "::" in url:
         problem = "chains filesystems ('::'), which may carry options and credentials"
     elif "://" in unicodedata.normalize("NFKC", url) and not (scheme and rest.startswith("//")):
         return _refused(said, "has a scheme that is no store's (a look-alike letter, as a fullwidth 'ｓ'?)")
+    elif re.match(r"[/\\]{2}[^/\\]", path):  # a share's //host/: Linux reads `/...` (`\\host\`: a relative folder)
+        return _refused(said, HOST)
     elif not scheme or (len(scheme) == 1 and not rest.startswith("//")):  # a path; or a Windows drive's, C:\...
         return url
     elif scheme not in (*PACKAGES, "file"):
@@ -54,7 +59,9 @@ def checked(url: str) -> str:
     elif "?" in rest or "#" in rest:
         problem = "carries a query or fragment (a key or a signature, say)"
     elif scheme == "file" and host.lower() not in LOCAL_HOSTS:
-        return _refused(said, "names a host, which a file:// URL cannot reach (file:///<path> is a mounted folder's)")
+        return _refused(said, HOST)
+    elif scheme == "file" and not path.startswith("/"):  # `file:runs`: a folder under the working one
+        return _refused(said, "names no absolute path (file:///<path> is a mounted folder's)")
     elif scheme in PACKAGES and ":" in login:
         problem = "carries a password"
     elif scheme in PACKAGES and "@" in login and not (scheme in NAMED_USER and login.count("@") == 1):
