@@ -241,7 +241,7 @@ def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_o
 @pytest.mark.parametrize(
     "where, swept",
     [
-        ("checkpoint/keyed.yaml", ["checkpoint=default,keyed"]),
+        ("checkpoint/keyed.yaml", ["checkpoint=unset,keyed"]),  # an option whose URL does not resolve first
         ("experiment/keyed.yaml", ["experiment=cnn_digits,keyed"]),
         ("checkpoint/keyed.yaml", []),  # config.yaml's hydra.sweeper.params choose the options
     ],
@@ -256,6 +256,7 @@ def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writ
         option.write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n      checkpoint.remote: {KEYED}\n")
     else:
         option.write_text(f"defaults:\n  - default\nremote: {KEYED.partition(',')[2]}\n")
+        option.with_name("unset.yaml").write_text("defaults:\n  - default\nremote: ${oc.env:T_REMOTE_UNSET}\n")
     if not swept:
         config = project / "configs" / "config.yaml"
         params = "  sweeper:\n    params:\n      checkpoint: default,keyed\n"

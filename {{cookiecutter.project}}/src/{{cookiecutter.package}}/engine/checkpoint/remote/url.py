@@ -23,6 +23,7 @@ from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ...errors import RunError, reported
 
@@ -110,7 +111,11 @@ def _configured(config: DictConfig) -> Iterator[str]:
     sweeper's params list (as Hydra's sweepers read them: `key: <override's value>`), the composed one."""
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     yield from _given([*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())])
-    if (url := config.checkpoint.get("remote")) is not None:
+    try:
+        url = config.checkpoint.get("remote")
+    except OmegaConfBaseException:  # an interpolation that does not resolve (`${oc.env:...}` unset): the job says so
+        return
+    if url is not None:
         yield str(url)
 
 
@@ -135,9 +140,10 @@ def _swept(config: DictConfig) -> Iterator[str]:
         for option in override.sweep_string_iterator():
             job = f"{override.get_key_element()}={option}"
             try:
-                yield from _configured(loader.load_sweep_config(config, [*fixed, job]))
-            except HydraException:
+                chosen = loader.load_sweep_config(config, [*fixed, job])
+            except (HydraException, OmegaConfBaseException):
                 continue  # an option that does not compose: its job says so
+            yield from _configured(chosen)
 
 
 SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
