@@ -147,6 +147,7 @@ def test_a_store_whose_package_is_missing_is_refused_naming_what_to_install(monk
         ("ｓ3://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("s3：//bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("my_store://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
+        ("ｓ3:/bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),  # one '/'
         ("file://shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot reach"),
         # A share's `//host/...` (Linux reads it as `/...`), as a file: URL or a path, and a file: URL's relative path.
         ("file:////shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot"),
@@ -163,7 +164,9 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("url", ["ｓ3://bkt/runs", "file:runs", "//{here}/runs", "file:////{here}/runs"])
+@pytest.mark.parametrize(
+    "url", ["ｓ3://bkt/runs", "ｓ3:/bkt/runs", "file:runs", "//{here}/runs", "file:////{here}/runs"]
+)
 def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_one_line(project, url):
     """Each was a folder the run mirrored into without a word: `./ｓ3:/bkt/runs`, `./runs`, and
     `<project>/runs` for a share's `//<host>/...` (here the project's path, which Linux reads so)."""

@@ -47,9 +47,10 @@ def checked(url: str) -> str:
     login = host if rest.startswith("//") else rest
     said = f"{scheme}://..." if scheme and rest.startswith("//") else "..."
     path = urlsplit(url).path if scheme == "file" else url  # the folder a path or a file: URL names
+    normal = unicodedata.normalize("NFKC", url)  # a look-alike letter as the letter it looks like: `ｓ` as `s`
     if "::" in url:
         problem = "chains filesystems ('::'), which may carry options and credentials"
-    elif "://" in unicodedata.normalize("NFKC", url) and not (scheme and rest.startswith("//")):
+    elif ("://" in normal and not (scheme and rest.startswith("//"))) or (urlsplit(normal).scheme and not scheme):
         return _refused(said, "has a scheme that is no store's (a look-alike letter, as a fullwidth 'ｓ'?)")
     elif re.match(r"[/\\]{2}[^/\\]", path):  # a share's //host/: Linux reads `/...` (`\\host\`: a relative folder)
         return _refused(said, HOST)
