@@ -94,6 +94,22 @@ def test_a_search_path_typed_without_the_engines_root_is_refused_and_one_that_na
 
 
 @pytest.mark.parametrize(
+    "spelled",
+    ["pkg://{{cookiecutter.package}}/engine/configs", "pkg://{{cookiecutter.package}}.engine.configs/", f"file://{CONFIG_ROOTS[1]}"],
+)
+def test_the_engines_root_spelled_as_hydra_also_reads_it_is_not_refused(tmp_path, spelled):
+    """Each of these composes every setting: refused, as the spelling of config.yaml's was the only
+    one taken, a run that works would never start."""
+    configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
+    choices = yaml.safe_load((configs / "config.yaml").read_text())
+    choices["hydra"]["searchpath"] = [spelled]
+    (configs / "config.yaml").write_text(yaml.safe_dump(choices, sort_keys=False))
+    assert composed(configs).trainer.max_steps == composed(PROJECT / "configs").trainer.max_steps
+    check_roots([configs], configs / "config.yaml", [])
+    check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", [f"hydra.searchpath=[{spelled}]"])
+
+
+@pytest.mark.parametrize(
     "change, script", [*((change, "run.py") for change in CHANGES), (CHANGES[0], "eval.py"), (CHANGES[1], "export.py")]
 )
 def test_each_command_on_such_a_configs_folder_says_that_one_line_and_exits_2(project, change, script):

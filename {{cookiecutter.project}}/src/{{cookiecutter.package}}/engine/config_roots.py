@@ -10,6 +10,8 @@ from pathlib import Path
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -81,16 +83,36 @@ def check_roots(yours: list[Path], config: Path, overrides: list[str]) -> None:
             f"{config}'s defaults list drops engine, the engine's {engine / 'engine.yaml'} (every setting with its "
             f"default): put `- engine` first in that list (docs/configuration.md)"
         )
+    _check_search_path(config, choices.get("hydra"), overrides, engine)
+
+
+def _check_search_path(config: Path, hydra: object, overrides: list[str], engine: Path) -> None:
+    """Refuses the search path of `config` (its `hydra` node) or of the command line's `overrides`,
+    which replaces it, where it leaves out the engine's root `engine`, however that is spelled."""
     given = [override for override in overrides if override.lstrip("+").startswith("hydra.searchpath=")]
-    if given and ENGINE_CONFIGS not in given[-1]:
-        raise RunError(
-            f"{given[-1]} replaces the search path of {config} and leaves out the engine's configs, {ENGINE_CONFIGS}: "
-            f"name it in that list too"
-        )
-    hydra = choices.get("hydra")
+    if given:
+        try:
+            typed = OverridesParser.create().parse_override(given[-1]).value()
+        except HydraException:
+            return  # Hydra's own line says what it cannot parse
+        if not any(_is_engines(entry, engine) for entry in (typed if isinstance(typed, list) else [typed])):
+            raise RunError(
+                f"{given[-1]} replaces the search path of {config} and leaves out the engine's configs, "
+                f"{ENGINE_CONFIGS}: name it in that list too"
+            )
+        return
     searched = (hydra.get("searchpath") if isinstance(hydra, dict) else None) or []
-    if not given and ENGINE_CONFIGS not in searched:
+    if not any(_is_engines(entry, engine) for entry in searched):
         raise RunError(
             f"{config}'s hydra.searchpath ({', '.join(map(str, searched)) or 'none'}) leaves out the engine's configs, "
             f"{ENGINE_CONFIGS}, where every group and option is: add it to that list, after your own folders"
         )
+
+
+def _is_engines(entry: object, engine: Path) -> bool:
+    """Whether the search path's `entry` names the engine's root (the folder `engine`) as Hydra
+    reads it: `pkg://` with dots or slashes, a trailing one, or `file://` its folder."""
+    scheme, _, where = str(entry).partition("://")
+    if scheme == "pkg":
+        return where.replace("/", ".").rstrip(".") == ENGINE_CONFIGS.removeprefix("pkg://")
+    return scheme == "file" and Path(where).resolve() == engine.resolve()
