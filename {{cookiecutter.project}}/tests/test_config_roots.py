@@ -95,18 +95,23 @@ def test_a_search_path_typed_without_the_engines_root_is_refused_and_one_that_na
 
 @pytest.mark.parametrize(
     "spelled",
-    ["pkg://{{cookiecutter.package}}/engine/configs", "pkg://{{cookiecutter.package}}.engine.configs/", f"file://{CONFIG_ROOTS[1]}"],
+    ["pkg://{{cookiecutter.package}}/engine/configs", "pkg://{{cookiecutter.package}}.engine.configs/", f"file://{CONFIG_ROOTS[1]}"]
+    + ["/engine", "engine.yaml", "engine@_here_", "engine@_global_"],  # the defaults list's entry
 )
 def test_the_engines_root_spelled_as_hydra_also_reads_it_is_not_refused(tmp_path, spelled):
     """Each of these composes every setting: refused, as the spelling of config.yaml's was the only
     one taken, a run that works would never start."""
     configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
     choices = yaml.safe_load((configs / "config.yaml").read_text())
-    choices["hydra"]["searchpath"] = [spelled]
+    if "://" in spelled:
+        choices["hydra"]["searchpath"] = [spelled]
+    else:
+        choices["defaults"][choices["defaults"].index("engine")] = spelled
     (configs / "config.yaml").write_text(yaml.safe_dump(choices, sort_keys=False))
     assert composed(configs).trainer.max_steps == composed(PROJECT / "configs").trainer.max_steps
     check_roots([configs], configs / "config.yaml", [])
-    check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", [f"hydra.searchpath=[{spelled}]"])
+    if "://" in spelled:
+        check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", [f"hydra.searchpath=[{spelled}]"])
 
 
 @pytest.mark.parametrize(

@@ -77,8 +77,9 @@ def check_roots(yours: list[Path], config: Path, overrides: list[str]) -> None:
         return  # no config.yaml, or no YAML: Hydra's own line says so
     if not isinstance(choices, dict):
         return
-    defaults = choices.get("defaults") or []
-    if "engine" not in defaults and "/engine" not in defaults:
+    # Each config the defaults list names, as Hydra reads it: `/engine`, `engine.yaml`, `engine@_here_` are the engine's.
+    named = {str(entry).lstrip("/").partition("@")[0].removesuffix(".yaml") for entry in choices.get("defaults") or []}
+    if "engine" not in named:
         raise RunError(
             f"{config}'s defaults list drops engine, the engine's {engine / 'engine.yaml'} (every setting with its "
             f"default): put `- engine` first in that list (docs/configuration.md)"
