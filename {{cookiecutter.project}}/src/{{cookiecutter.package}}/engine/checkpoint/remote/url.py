@@ -107,11 +107,20 @@ def _each_checked(urls: Iterable[str]) -> None:
         checked(url)
 
 
+SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
+
+
+def _overrides(config: DictConfig) -> list[str]:
+    """What `config`'s command line overrides, and what its sweeper's params list, as Hydra's
+    sweepers read them (`key: <override's value>`)."""
+    params = OmegaConf.select(config, SWEPT) or {}
+    return [*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+
+
 def _configured(config: DictConfig) -> Iterator[str]:
     """The values of `checkpoint.remote` in `config`: those its command line gives, those its
-    sweeper's params list (as Hydra's sweepers read them: `key: <override's value>`), the composed one."""
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    yield from _given([*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())])
+    sweeper's params list, the composed one."""
+    yield from _given(_overrides(config))
     try:
         url = config.checkpoint.get("remote")
     except OmegaConfBaseException:  # an interpolation that does not resolve (`${oc.env:...}` unset): the job says so
@@ -127,11 +136,8 @@ def _swept(config: DictConfig) -> Iterator[str]:
     its .hydra/ before it starts, and an option's file may set `checkpoint.remote` or list a sweep."""
     yield from _configured(config)
     loader = GlobalHydra.instance().config_loader()
-    params = OmegaConf.select(config, SWEPT) or {}
     try:
-        overrides = OverridesParser.create(config_loader=loader).parse_overrides(
-            [*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
-        )
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(_overrides(config))
     except HydraException:
         return  # the sweeper says what it cannot parse, a checkpoint.remote refused above
     fixed = [override.input_line for override in overrides if not override.is_sweep_override()]
@@ -145,9 +151,6 @@ def _swept(config: DictConfig) -> Iterator[str]:
             except (HydraException, OmegaConfBaseException):
                 continue  # an option that does not compose: its job says so
             yield from _configured(chosen)
-
-
-SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
 
 
 def _given(overrides: Iterable[str]) -> Iterator[str]:
