@@ -703,6 +703,70 @@ def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothi
     assert list(small_disk.iterdir()) == ([] if for_a_moment else [other])
 
 
+def mirrored_with_the_rest(remote: str, home: Path, best: str) -> str:
+    """`mirrored`'s three checkpoints of 256 KiB, with the run's goodput account and `best` naming `best`."""
+    home.mkdir(parents=True)
+    (home / "goodput.json").write_text('{"legs": []}')
+    (home / "best").write_text(best)
+    return mirrored(remote, home, floats=2**16)
+
+
+def assert_fetched_whole(home: Path, remote: str, names: list[str]) -> None:
+    """Once the disk has room, the same start fetches the checkpoints `names` and the rest of the home."""
+    with held(home, remote, "auto"):
+        pass
+    assert sorted(path.name for _, path in homes.steps(home)) == names
+    assert (home / "goodput.json").read_text() == '{"legs": []}' and (home / "latest").read_text() == names[-1]
+
+
+def test_a_disk_that_fills_once_a_fetch_has_its_checkpoint_keeps_none_of_it_and_says_the_room(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """The account and pointer that follow the checkpoint found no room: the write's OSError was a
+    traceback, and the checkpoint stayed, so that the next start fetched no more: no account."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, other = small_disk / RUN, small_disk / "another-writers-file"
+    real_get_file = Store.get_file
+
+    def then_filled(store, key, local, size):
+        real_get_file(store, key, local, size)
+        other.write_bytes(bytes(shutil.disk_usage(small_disk).free))
+
+    monkeypatch.setattr(Store, "get_file", then_filled)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 25\d KiB, and the disk there has 2\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == [other]  # the home the claim made gone with the checkpoint
+    other.unlink()
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
+
+
+def test_a_disk_with_room_for_the_newest_checkpoint_but_not_best_keeps_neither_and_says_the_room_of_both(
+    remote, tmp_path, small_disk
+):
+    """The newest checkpoint stayed, `best`'s was refused: the next start, the disk grown, fetched no
+    more, and the remote's retention, going by the home, later deleted the run's best checkpoint."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000010.pt")
+    home = small_disk / RUN
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 51\d KiB, and the disk there has 5\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == []
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_disk)], check=True)
+    assert_fetched_whole(home, remote, ["step_00000010.pt", "step_00000030.pt"])
+
+
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     run = tmp_path / "mounted" / RUN
