@@ -581,6 +581,42 @@ def test_a_newer_remote_checkpoint_whose_objects_are_gone_is_set_aside_once_and_
     ]
 
 
+def test_a_newer_remote_checkpoint_the_store_will_not_copy_is_set_aside_once_without_it_and_the_uploads_go_on(
+    bucket, tmp_path, caplog
+):
+    """A lifecycle rule archived step 30's object (GLACIER: S3 refuses to copy it until restored):
+    the set-aside's copy failed for good and was retried for the life of the run, so that no later
+    checkpoint reached the store."""
+    remote, s3 = bucket
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(first, home, step, keep_last=3)
+    first.settle(30)
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    archived = {"Bucket": bucket_name, "Key": f"{prefix}/{RUN}/step_00000030.pt"}
+    s3.copy_object(**archived, CopySource=archived, StorageClass="GLACIER")  # what the lifecycle rule does
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 10)  # what a resume from step 10 does to the home
+    second.resumed_at(10)
+    save(second, home, 20, keep_last=3)
+    said = second.settle(30)
+    assert said.startswith(f"remote: step_00000020.pt is in {store.url}/{RUN} (uploaded "), said
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    aside = {key for key in store.list(RUN) if key.startswith("set-aside-")}
+    folder = next(iter(aside)).split("/")[0]
+    assert aside == {
+        f"{folder}/{key}"
+        for key in ("step_00000020.pt", "committed/step_00000020.json", "committed/step_00000030.json")
+    }
+    assert s3.head_object(**archived)["StorageClass"] == "GLACIER"  # left where it is, not deleted
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
+        "(step_00000030.pt (ObjectNotInActiveTierError) refused by the store: not moved, left where it is)"
+    ]
+
+
 def test_a_resume_uploads_the_checkpoint_it_restored_where_the_leg_before_died_before_uploading_it(remote, tmp_path):
     home, store = tmp_path / "home", store_of(remote)
     first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
