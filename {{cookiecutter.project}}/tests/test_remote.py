@@ -507,16 +507,23 @@ def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_i
     assert f"aborted 3 upload(s) to {store_of(remote).url}/{RUN} that an earlier leg left incomplete" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["demo/committed", "demo/step_00000030", "demo/set-aside-x/b"])
-def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo/committed", "demo/step_00000030", "demo/set-aside-x/b",  # its folders: their objects taken for its own
+        "demo/latest", "demo/goodput.json", "demo/run.lock",  # its files: in a mounted folder, never both
+    ],
+)  # fmt: skip
+def test_a_run_named_like_a_folder_or_file_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
     settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
     config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
     with pytest.raises(RunError) as refused, remote_run.held(config, swept=False):
         pass
     part = name.split("/")[1]
     assert str(refused.value) == (
-        f"name={name}: {part} is a folder that the run demo keeps in its remote folder (step_<N>/, committed/, "
-        "set-aside-*/), which would take this run's objects for its own; give the run another name"
+        f"name={name}: {part} is a name that the run demo uses in its remote folder (its folders step_<N>/, "
+        "committed/, set-aside-*/ and its files latest, best, scores.json, goodput.json, claim.json, run.lock), "
+        "which would mix the two runs' objects; give the run another name"
     )
     assert not (tmp_path / "m").exists()
 
