@@ -810,6 +810,29 @@ def test_a_disk_with_room_for_the_newest_checkpoint_but_not_best_keeps_neither_a
     assert_fetched_whole(home, remote, ["step_00000010.pt", "step_00000030.pt"])
 
 
+def test_a_store_that_stops_answering_once_a_fetch_has_its_checkpoint_leaves_none_of_it(
+    bucket, s3_server, tmp_path, monkeypatch
+):
+    """The checkpoint stayed without the account that follows it: the next start, the store back,
+    found the newest checkpoint in its home and fetched no more."""
+    remote, _ = bucket
+    mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, store = tmp_path / "new-machine", Store(remote, deadline_s=2)
+    real_get_file, outage = Store.get_file, contextlib.ExitStack()
+
+    def then_down(store, key, local, size):
+        real_get_file(store, key, local, size)
+        outage.enter_context(s3_server.paused())
+
+    monkeypatch.setattr(Store, "get_file", then_down)
+    home.mkdir()
+    with outage, pytest.raises(StoreError, match="no answer within 2 s"):
+        fetch(store, RUN, home, manifest.committed(store_of(remote), RUN))
+    assert list(home.iterdir()) == []
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
+
+
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     run = tmp_path / "mounted" / RUN

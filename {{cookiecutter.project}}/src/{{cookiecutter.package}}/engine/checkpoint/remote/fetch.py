@@ -9,7 +9,8 @@ into place. One that fails is skipped, with a warning, for the one before it. Th
 `best` and goodput account follow, read later as any home's are (as data), and the checkpoint
 `best` names where it is not the newest: retention keeps it in the home, and so the remote keeps
 it (mirror.py), and eval.py's `checkpoint=best` reads it. All of it, or none: where the rest fails (a
-disk that filled meanwhile), the checkpoints fetched go too, for the next leg to fetch it all again.
+disk that filled meanwhile, a store that stopped answering), the checkpoints fetched go too, for the
+next leg to fetch it all again.
 """
 
 import contextlib
