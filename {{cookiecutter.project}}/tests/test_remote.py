@@ -507,16 +507,23 @@ def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_i
     assert f"aborted 3 upload(s) to {store_of(remote).url}/{RUN} that an earlier leg left incomplete" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["demo/committed", "demo/step_00000030", "demo/set-aside-x/b"])
-def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo/committed", "demo/step_00000030", "demo/set-aside-x/b",  # its folders: their objects taken for its own
+        "demo/latest", "demo/goodput.json", "demo/run.lock",  # its files: in a mounted folder, never both
+    ],
+)  # fmt: skip
+def test_a_run_named_like_a_folder_or_file_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
     settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
     config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
     with pytest.raises(RunError) as refused, remote_run.held(config, swept=False):
         pass
     part = name.split("/")[1]
     assert str(refused.value) == (
-        f"name={name}: {part} is a folder that the run demo keeps in its remote folder (step_<N>/, committed/, "
-        "set-aside-*/), which would take this run's objects for its own; give the run another name"
+        f"name={name}: {part} is a name that the run demo uses in its remote folder (its folders step_<N>/, "
+        "committed/, set-aside-*/ and its files latest, best, scores.json, goodput.json, claim.json, run.lock), "
+        "which would mix the two runs' objects; give the run another name"
     )
     assert not (tmp_path / "m").exists()
 
@@ -578,6 +585,42 @@ def test_a_newer_remote_checkpoint_whose_objects_are_gone_is_set_aside_once_and_
     assert warned == [
         f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
         "(step_00000020.pt, step_00000030.pt missing from the store: not moved)"
+    ]
+
+
+def test_a_newer_remote_checkpoint_the_store_will_not_copy_is_set_aside_once_without_it_and_the_uploads_go_on(
+    bucket, tmp_path, caplog
+):
+    """A lifecycle rule archived step 30's object (GLACIER: S3 refuses to copy it until restored):
+    the set-aside's copy failed for good and was retried for the life of the run, so that no later
+    checkpoint reached the store."""
+    remote, s3 = bucket
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(first, home, step, keep_last=3)
+    first.settle(30)
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    archived = {"Bucket": bucket_name, "Key": f"{prefix}/{RUN}/step_00000030.pt"}
+    s3.copy_object(**archived, CopySource=archived, StorageClass="GLACIER")  # what the lifecycle rule does
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 10)  # what a resume from step 10 does to the home
+    second.resumed_at(10)
+    save(second, home, 20, keep_last=3)
+    said = second.settle(30)
+    assert said.startswith(f"remote: step_00000020.pt is in {store.url}/{RUN} (uploaded "), said
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    aside = {key for key in store.list(RUN) if key.startswith("set-aside-")}
+    folder = next(iter(aside)).split("/")[0]
+    assert aside == {
+        f"{folder}/{key}"
+        for key in ("step_00000020.pt", "committed/step_00000020.json", "committed/step_00000030.json")
+    }
+    assert s3.head_object(**archived)["StorageClass"] == "GLACIER"  # left where it is, not deleted
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
+        "(step_00000030.pt (ObjectNotInActiveTierError) refused by the store: not moved, left where it is)"
     ]
 
 
@@ -701,6 +744,93 @@ def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothi
         said,
     ), said
     assert list(small_disk.iterdir()) == ([] if for_a_moment else [other])
+
+
+def mirrored_with_the_rest(remote: str, home: Path, best: str) -> str:
+    """`mirrored`'s three checkpoints of 256 KiB, with the run's goodput account and `best` naming `best`."""
+    home.mkdir(parents=True)
+    (home / "goodput.json").write_text('{"legs": []}')
+    (home / "best").write_text(best)
+    return mirrored(remote, home, floats=2**16)
+
+
+def assert_fetched_whole(home: Path, remote: str, names: list[str]) -> None:
+    """Once the disk has room, the same start fetches the checkpoints `names` and the rest of the home."""
+    with held(home, remote, "auto"):
+        pass
+    assert sorted(path.name for _, path in homes.steps(home)) == names
+    assert (home / "goodput.json").read_text() == '{"legs": []}' and (home / "latest").read_text() == names[-1]
+
+
+def test_a_disk_that_fills_once_a_fetch_has_its_checkpoint_keeps_none_of_it_and_says_the_room(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """The account and pointer that follow the checkpoint found no room: the write's OSError was a
+    traceback, and the checkpoint stayed, so that the next start fetched no more: no account."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, other = small_disk / RUN, small_disk / "another-writers-file"
+    real_get_file = Store.get_file
+
+    def then_filled(store, key, local, size):
+        real_get_file(store, key, local, size)
+        other.write_bytes(bytes(shutil.disk_usage(small_disk).free))
+
+    monkeypatch.setattr(Store, "get_file", then_filled)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 25\d KiB, and the disk there has 2\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == [other]  # the home the claim made gone with the checkpoint
+    other.unlink()
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
+
+
+def test_a_disk_with_room_for_the_newest_checkpoint_but_not_best_keeps_neither_and_says_the_room_of_both(
+    remote, tmp_path, small_disk
+):
+    """The newest checkpoint stayed, `best`'s was refused: the next start, the disk grown, fetched no
+    more, and the remote's retention, going by the home, later deleted the run's best checkpoint."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000010.pt")
+    home = small_disk / RUN
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 51\d KiB, and the disk there has 5\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == []
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_disk)], check=True)
+    assert_fetched_whole(home, remote, ["step_00000010.pt", "step_00000030.pt"])
+
+
+def test_a_store_that_stops_answering_once_a_fetch_has_its_checkpoint_leaves_none_of_it(
+    bucket, s3_server, tmp_path, monkeypatch
+):
+    """The checkpoint stayed without the account that follows it: the next start, the store back,
+    found the newest checkpoint in its home and fetched no more."""
+    remote, _ = bucket
+    mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, store = tmp_path / "new-machine", Store(remote, deadline_s=2)
+    real_get_file, outage = Store.get_file, contextlib.ExitStack()
+
+    def then_down(store, key, local, size):
+        real_get_file(store, key, local, size)
+        outage.enter_context(s3_server.paused())
+
+    monkeypatch.setattr(Store, "get_file", then_down)
+    home.mkdir()
+    with outage, pytest.raises(StoreError, match="no answer within 2 s"):
+        fetch(store, RUN, home, manifest.committed(store_of(remote), RUN))
+    assert list(home.iterdir()) == []
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
 
 
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
