@@ -73,7 +73,7 @@ class RemoteClaim:
         self._ended = threading.Event()
         self.lost: str | None = None
         self._listener: Callable[[str], None] | None = None  # told of a remake (listen)
-        self._unheard: str | None = None  # the last remake's line, said before anyone listened
+        self._unheard = False  # a remake said before anyone listened
 
     def take(self) -> None:
         """Holds the run's folder, or raises a RunError naming the machine that does."""
@@ -156,13 +156,14 @@ class RemoteClaim:
                 self._lose()
 
     def listen(self, listener: Callable[[str], None]) -> None:
-        """`listener` told, in one line, each time the claim was gone from the store and is this
-        machine's again (the mirror, run_folder.py, checks then what else the store lost); at once
-        where that happened before it listened: the renewals run from `take`, through a fetch."""
+        """`listener` told each time the claim was gone from the store and is this machine's again,
+        with the line to say (the mirror, run_folder.py, says it with what else the store lost); at
+        once, with "" (said already), where that happened before it listened: the renewals run from
+        `take`, through a fetch."""
         with self._lock:
-            self._listener, unheard, self._unheard = listener, self._unheard, None
-        if unheard is not None:
-            listener(unheard)
+            self._listener, unheard, self._unheard = listener, self._unheard, False
+        if unheard:
+            listener("")
 
     def _take_again(self, body: bytes) -> None:
         try:
@@ -174,7 +175,7 @@ class RemoteClaim:
             self._listener(said)
         else:
             log.warning(said)
-            self._unheard = said
+            self._unheard = True
 
     def _lose(self) -> None:
         """Raises Lost, naming the claim's holder, unless the claim is this machine's write whose
