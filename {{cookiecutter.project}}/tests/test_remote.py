@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from {{cookiecutter.package}}.engine.checkpoint import home as homes
 from {{cookiecutter.package}}.engine.checkpoint import onefile
 from {{cookiecutter.package}}.engine.checkpoint.remote import manifest
 from {{cookiecutter.package}}.engine.checkpoint.remote import run_folder as remote_run
-from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim
+from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim, pid_space
 from {{cookiecutter.package}}.engine.checkpoint.remote.fetch import fetch
 from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
 from {{cookiecutter.package}}.engine.checkpoint.remote.store import Conflict, Store, StoreError
@@ -814,7 +815,7 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
     pid = int(ended.stdout)
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     left = {"holder": f"PID {pid} on {os.uname().nodename}", "pid": pid, "host": os.uname().nodename, "home": "/a"}
-    left |= {"leg": "a", "started": "", "lease_s": 3600, "released": False}
+    left |= {"pid_space": pid_space(), "leg": "a", "started": "", "lease_s": 3600, "released": False}
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(left).encode())
     claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60)
     claimed.take()
@@ -823,6 +824,22 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
         r.getMessage().endswith(f"from PID {pid} on {os.uname().nodename} (home /a), which ended")
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("other", ["another boot", "another PID namespace"])
+def test_a_holder_of_this_host_name_on_another_machine_or_container_is_not_taken_for_one_that_ended(
+    bucket, tmp_path, other
+):
+    """VMs made from one image share a host name; containers with the host's network take the
+    host's: the holder's PID, not found here, says nothing of whether it lives."""
+    remote, s3 = bucket
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    boot, namespace = pid_space().split(" ")
+    elsewhere = f"{boot} pid:[1]" if other == "another PID namespace" else f"{uuid.uuid4()} {namespace}"
+    put_claim(s3, remote, lease_s=3600, host=socket.gethostname(), pid=int(ended.stdout), pid_space=elsewhere)
+    with pytest.raises(RunError, match=rf"^{re.escape(Store(remote).url)}/{RUN} is in use by PID 1 on "):
+        RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60).take()
+    assert claim_of(s3, remote)["leg"] == "b"
 
 
 def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(bucket, tmp_path):

@@ -61,6 +61,7 @@ class RemoteClaim:
             "holder": f"PID {os.getpid()} on {socket.gethostname()}",
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "pid_space": pid_space(),
             "home": str(home.absolute()),
             "leg": self.leg,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -111,7 +112,7 @@ class RemoteClaim:
         once): returned once its lease ran out or it was released (None: deleted), to take over.
         Refused at once, or once it was renewed meanwhile (it lives)."""
         left = _lease(holder) - found.age_s
-        if (holder is not None and holder.get("host") == socket.gethostname()) or left > self.lease_s:
+        if _here(holder) or left > self.lease_s:
             raise self._refused(found, holder)
         log.info(
             f"{self.at} is held by {_who(holder)}, whose lease runs out in {left:.0f} s unless renewed: waiting to "
@@ -257,13 +258,30 @@ def _why_free(found: Read, holder: dict | None) -> str:
     return f"whose lease ran out {found.age_s - holder['lease_s']:.0f} s ago"
 
 
+def pid_space() -> str | None:
+    """This machine's boot and this process's PID namespace (Linux; None elsewhere): the PIDs it can
+    look up. A host name alone does not say it: VMs made from one image share theirs, and containers
+    with the host's network take the host's."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _here(holder: dict | None) -> bool:
+    """Whether the claim's holder is a process this one can look up by its PID: of this host name,
+    this boot, this PID namespace."""
+    return holder is not None and holder.get("host") == socket.gethostname() and holder.get("pid_space") == pid_space()
+
+
 def _ended_here(holder: dict | None) -> bool:
     """Whether the claim's holder was a process of this machine that is gone (a kill -9, and the
     job's next leg, or a standby, on the same machine): no need to wait for its lease."""
-    if holder is None:
+    if not _here(holder):
         return False
     pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
+    if type(pid) is not int or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
