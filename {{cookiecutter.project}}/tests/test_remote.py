@@ -1168,6 +1168,21 @@ def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_s
 
 
 @pytest.mark.slow
+def test_a_new_machine_started_while_a_lost_machines_lease_runs_waits_for_it_and_trains(make_cfg, bucket, caplog):
+    remote, s3 = bucket
+    caplog.set_level(logging.INFO)
+    common = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.remote={remote}"]
+    cfg = make_cfg(*common, "resume=auto")  # composed first: the claim below is read a moment after it is written
+    put_claim(s3, remote, lease_s=6)  # a machine on another host, killed a moment ago: no exit 2 for its lease
+    assert recipe.train(cfg)["step"] == 10
+    at = re.escape(f"{Store(remote).url}/{RUN}")
+    waited = rf"{at} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless renewed: waiting .*"
+    assert [said for said in caplog.messages if re.fullmatch(waited, said)], caplog.messages
+    assert [said for said in caplog.messages if re.fullmatch(rf"took over {at} from PID 1 on host-b .*", said)]
+    assert "committed/step_00000010.json" in manifests(s3, remote)
+
+
+@pytest.mark.slow
 def test_a_fresh_run_over_the_remote_checkpoints_of_its_name_is_refused(make_cfg, remote, tmp_path):
     common = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.remote={remote}"]
     recipe.train(make_cfg(*common, f"checkpoint.dir={tmp_path / 'a'}"))
