@@ -856,6 +856,26 @@ def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(buc
     claimed.release()
 
 
+def test_a_release_after_a_takeover_leaves_the_new_holders_claim_and_says_it_was_lost(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    found = s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")["Body"].read()
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=found + b" ")  # a renewal unanswered
+    claimed.release()
+    assert claim_of(s3, remote)["released"], "this machine's own, at a version it never heard of"
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    put_claim(s3, remote, lease_s=60)  # taken over since the last renewal (its lease ran out in an outage)
+    claimed.release()
+    assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"lost the claim on {store.url}/{RUN} to PID 1 on host-b (home /b) before this run's end"
+    ]
+
+
 def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_path):
     remote, s3 = bucket
     store, home = store_of(remote), tmp_path / "home"

@@ -196,13 +196,24 @@ class RemoteClaim:
         with self._lock:
             if self.lost is not None or self._etag is None:
                 return
-            try:
-                released = json.dumps({**self._holder, "released": True}).encode()
-                self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
-            except FileNotFoundError:  # gone from the store already: nothing holds the run
-                pass
-            except StoreError as error:
-                log.warning(f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after")
+            released = json.dumps({**self._holder, "released": True}).encode()
+            for _ in range(2):  # again with the version of a renewal that landed unanswered (_lose)
+                try:
+                    self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
+                    return
+                except FileNotFoundError:  # gone from the store already: nothing holds the run
+                    return
+                except Conflict:
+                    try:
+                        self._lose()
+                    except Lost as lost:  # taken over since the last renewal: not this machine's to release
+                        log.warning(f"{lost} before this run's end")
+                        return
+                except StoreError as error:
+                    log.warning(
+                        f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after"
+                    )
+                    return
 
     def _renewing(self) -> None:
         while not self._ended.wait(self.lease_s / 3):
