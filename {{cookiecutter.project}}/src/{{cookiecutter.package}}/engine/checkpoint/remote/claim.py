@@ -3,16 +3,16 @@ not both train it: `<remote>/<name>/claim.json`, made with S3's conditional writ
 only where there is none), renewed every third of its lease with another (If-Match: only where it
 is still the version this machine wrote), and released at the end. A claim whose lease ran out, by
 the store's own clock (its Date header less the object's Last-Modified: no two machines' clocks are
-compared), or whose holder was a process of this machine that ended, is taken over, by one machine
-only: a second conditional write loses. A holder on another machine whose lease runs out within this
-machine's own is waited for: renewed meanwhile, it lives, and this machine is refused; not renewed,
-it is taken over. Each renewal writes a new version (its count changes), so that a renewal shows. A
-claim this module cannot read (another program's, damaged) is held, as far as this machine can
-tell, for the longest lease it accepts, and a takeover of it is said. A machine whose
-claim was taken over learns it at its next renewal, and stops; the mirror renews right before each
-manifest, so that it publishes nothing after it lost the run. A claim gone from the store (deleted,
-the bucket emptied) is made again by its holder's next renewal, only where no other machine made one
-first (If-None-Match): else that is a lost claim.
+compared), or whose holder was a process of this machine (its host name, boot and PID namespace)
+that ended, is taken over, by one machine only: a second conditional write loses. A holder on
+another machine whose lease runs out within this machine's own is waited for: renewed meanwhile, it
+lives, and this machine is refused; not renewed, it is taken over. Each renewal writes a new version
+(its count changes), so that a renewal shows. A claim this module cannot read (another program's,
+damaged) is held, as far as this machine can tell, for the longest lease it accepts, and a takeover
+of it is said. A machine whose claim was taken over learns it at its next renewal, and stops; the
+mirror renews right before each manifest, so that it publishes nothing after it lost the run. A
+claim gone from the store (deleted, the bucket emptied) is made again by its holder's next renewal,
+only where no other machine made one first (If-None-Match): else that is a lost claim.
 
 A mounted folder is claimed as a home is (claim.py: a POSIX lock on `run.lock`).
 """
@@ -191,7 +191,7 @@ class RemoteClaim:
 
     def release(self) -> None:
         """The claim, marked released (a conditional PUT: more stores take it than a conditional
-        DELETE), unless another machine holds it by now."""
+        DELETE), unless another machine holds it by now: that is said."""
         self._ended.set()
         with self._lock:
             if self.lost is not None or self._etag is None:
