@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from {{cookiecutter.package}}.engine.checkpoint import home as homes
 from {{cookiecutter.package}}.engine.checkpoint import onefile
 from {{cookiecutter.package}}.engine.checkpoint.remote import manifest
 from {{cookiecutter.package}}.engine.checkpoint.remote import run_folder as remote_run
-from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim
+from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim, pid_space
 from {{cookiecutter.package}}.engine.checkpoint.remote.fetch import fetch
 from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
 from {{cookiecutter.package}}.engine.checkpoint.remote.store import Conflict, Store, StoreError
@@ -857,14 +859,19 @@ def test_resume_last_with_no_checkpoint_here_or_there_is_refused_naming_both(rem
     )
 
 
-@pytest.mark.parametrize("wait_s, lease_s", [(-1, 60), (25, 0), (25, 3601)])
-def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s):
+@pytest.mark.parametrize(
+    "wait_s, lease_s, said",
+    [
+        (-1, 60, "checkpoint.remote_wait_s=-1 must be 0 or more: the seconds a run's end waits for its newest "
+         "checkpoint to be remote"),
+        *[(25, lease_s, f"checkpoint.remote_lease_s={lease_s} must be more than 0 and at most 3600 (seconds): no "
+           "machine reads a claim of a longer lease") for lease_s in (0, 3601, 7200)],
+    ],
+)  # fmt: skip
+def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s, said):
     with pytest.raises(RunError) as refused, held(tmp_path / "home", str(tmp_path / "m"), "auto", wait_s, lease_s):
         pass
-    assert str(refused.value) == (
-        f"checkpoint.remote_wait_s={wait_s} must not be negative, and checkpoint.remote_lease_s={lease_s} must be "
-        "more than 0 and at most 3600 (seconds: no machine reads a claim of a longer lease)"
-    )
+    assert str(refused.value) == said
     assert not (tmp_path / "m").exists()
 
 
@@ -938,7 +945,7 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
     pid = int(ended.stdout)
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     left = {"holder": f"PID {pid} on {os.uname().nodename}", "pid": pid, "host": os.uname().nodename, "home": "/a"}
-    left |= {"leg": "a", "started": "", "lease_s": 3600, "released": False}
+    left |= {"pid_space": pid_space(), "leg": "a", "started": "", "lease_s": 3600, "released": False}
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(left).encode())
     claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60)
     claimed.take()
@@ -947,6 +954,22 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
         r.getMessage().endswith(f"from PID {pid} on {os.uname().nodename} (home /a), which ended")
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("other", ["another boot", "another PID namespace"])
+def test_a_holder_of_this_host_name_on_another_machine_or_container_is_not_taken_for_one_that_ended(
+    bucket, tmp_path, other
+):
+    """VMs made from one image share a host name; containers with the host's network take the
+    host's: the holder's PID, not found here, says nothing of whether it lives."""
+    remote, s3 = bucket
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    boot, namespace = pid_space().split(" ")
+    elsewhere = f"{boot} pid:[1]" if other == "another PID namespace" else f"{uuid.uuid4()} {namespace}"
+    put_claim(s3, remote, lease_s=3600, host=socket.gethostname(), pid=int(ended.stdout), pid_space=elsewhere)
+    with pytest.raises(RunError, match=rf"^{re.escape(Store(remote).url)}/{RUN} is in use by PID 1 on "):
+        RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60).take()
+    assert claim_of(s3, remote)["leg"] == "b"
 
 
 def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(bucket, tmp_path):
@@ -961,6 +984,26 @@ def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(buc
     assert claimed.lost is None
     claimed.renew()  # with the version it learned
     claimed.release()
+
+
+def test_a_release_after_a_takeover_leaves_the_new_holders_claim_and_says_it_was_lost(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    found = s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")["Body"].read()
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=found + b" ")  # a renewal unanswered
+    claimed.release()
+    assert claim_of(s3, remote)["released"], "this machine's own, at a version it never heard of"
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    put_claim(s3, remote, lease_s=60)  # taken over since the last renewal (its lease ran out in an outage)
+    claimed.release()
+    assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"lost the claim on {store.url}/{RUN} to PID 1 on host-b (home /b) before this run's end"
+    ]
 
 
 def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_path):
@@ -1025,6 +1068,41 @@ def test_a_claim_deleted_under_a_live_run_is_made_again_by_its_holder_and_never_
     other.release()  # gone already: nothing to release, and no error
 
 
+def until(happened, what: str, bound_s: float = 30) -> None:
+    """Returns once `happened()`; fails after `bound_s` seconds, saying `what` did not happen."""
+    deadline = time.monotonic() + bound_s
+    while not happened():
+        assert time.monotonic() < deadline, f"{what}: not within {bound_s:g} s"
+        time.sleep(0.02)
+
+
+def test_the_renewal_thread_makes_a_deleted_claim_again_or_stops_as_lost_and_never_dies(
+    bucket, tmp_path, caplog, monkeypatch
+):
+    remote, s3 = bucket
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=0.6)  # its thread renews every 0.2 s
+    claimed.take()
+    with claimed._lock:  # between two renewals: none in flight
+        delete_claim(s3, remote)
+    remade = f"the claim on {store.url}/{RUN} was gone from the store (deleted, or the store emptied): this machine "
+    until(lambda: died or any(r.getMessage().startswith(remade) for r in caplog.records), "the claim made again")
+    assert not died, died[0].exc_value
+    assert claim_of(s3, remote)["leg"] == claimed.leg and claimed.lost is None
+    with claimed._lock:  # deleted, then another machine's before this one renews
+        delete_claim(s3, remote)
+        put_claim(s3, remote, lease_s=60)
+    stops = "; this machine stops at its next logging step"
+    until(lambda: died or any(said.endswith(stops) for said in caplog.messages), "the claim lost")
+    assert not died, died[0].exc_value
+    assert claimed.lost.startswith(f"lost the claim on {store.url}/{RUN} to PID 1 on host-b (home /b)")
+    assert f"{claimed.lost}{stops}" in caplog.messages
+    claimed.release()
+    assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
+
+
 def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_home_still_has(bucket, tmp_path, caplog):
     remote, s3 = bucket
     bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
@@ -1052,7 +1130,7 @@ def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_ho
     at = f"{Store(remote).url}/{RUN}"
     assert said == [
         f"the claim on {at} was gone from the store (deleted, or the store emptied): this machine holds it again; "
-        f"{at} lost 2 checkpoint(s) too: uploading again those of {home} it lacks (step_00000010.pt, "
+        f"{at} lost 2 checkpoint(s) with its claim: uploading again those of {home} it lacks (step_00000010.pt, "
         "step_00000020.pt)"
     ]
 
@@ -1065,7 +1143,7 @@ def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) 
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
 
 
-def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path):
+def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path, caplog):
     """Emptied while the claim is held and the mirror not yet built (a fetch, the run's set-up): the
     mirror, built with the old list, hears of the claim's remake when it starts."""
     remote, s3 = bucket
@@ -1088,6 +1166,13 @@ def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the
         while manifests(s3, remote) != {"committed/step_00000010.json", "committed/step_00000020.json"}:
             assert time.monotonic() < deadline, f"not uploaded again within 30 s: {keys(s3, remote)}"
             time.sleep(0.05)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    at = f"{Store(remote).url}/{RUN}"
+    assert said == [  # the claim's line once, when it was made again; what else was lost, once the mirror knew
+        f"the claim on {at} was gone from the store (deleted, or the store emptied): this machine holds it again",
+        f"{at} lost 2 checkpoint(s) with its claim: uploading again those of {home} it lacks (step_00000010.pt, "
+        "step_00000020.pt)",
+    ]
 
 
 @pytest.mark.parametrize("lease_s", [7200, "60"])
@@ -1110,15 +1195,16 @@ def test_a_claim_this_project_cannot_read_is_held_for_the_longest_lease_and_neve
 def test_a_new_machine_waits_for_a_lost_holder_on_another_host_to_run_out_and_takes_over(bucket, tmp_path, caplog):
     remote, s3 = bucket
     caplog.set_level(logging.INFO)
-    put_claim(s3, remote, lease_s=3)  # a machine taken away a moment ago: its lease runs 3 s yet
     store = store_of(remote)
+    store.list(RUN)  # its client made first (seconds, on a busy machine): the claim below is read at once
+    put_claim(s3, remote, lease_s=4)  # a machine taken away a moment ago: its lease runs 4 s yet
     claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=60)
     claimed.take()
     claimed.release()
     said = [r.getMessage() for r in caplog.records if "host-b" in r.getMessage()]
     assert re.fullmatch(
         rf"{re.escape(store.url)}/{RUN} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless "
-        r"renewed: waiting to see which \(up to [2-5] s\)",
+        r"renewed: waiting to see which \(up to [2-6] s\)",
         said[0],
     ), said
     assert re.fullmatch(
@@ -1229,6 +1315,21 @@ def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_s
         str(stopped.value),
     ), stopped.value
     assert manifests(s3, remote) == {"committed/step_00000010.json"}
+
+
+@pytest.mark.slow
+def test_a_new_machine_started_while_a_lost_machines_lease_runs_waits_for_it_and_trains(make_cfg, bucket, caplog):
+    remote, s3 = bucket
+    caplog.set_level(logging.INFO)
+    common = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.remote={remote}"]
+    cfg = make_cfg(*common, "resume=auto")  # composed first: the claim below is read a moment after it is written
+    put_claim(s3, remote, lease_s=6)  # a machine on another host, killed a moment ago: no exit 2 for its lease
+    assert recipe.train(cfg)["step"] == 10
+    at = re.escape(f"{Store(remote).url}/{RUN}")
+    waited = rf"{at} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless renewed: waiting .*"
+    assert [said for said in caplog.messages if re.fullmatch(waited, said)], caplog.messages
+    assert [said for said in caplog.messages if re.fullmatch(rf"took over {at} from PID 1 on host-b .*", said)]
+    assert "committed/step_00000010.json" in manifests(s3, remote)
 
 
 @pytest.mark.slow

@@ -285,9 +285,9 @@ class Mirror:
                 refused[key] = str(error).removeprefix(f"{self.store.at(f'{self.run}/{key}')}: ")
 
     def recheck(self, said: str) -> None:
-        """The claim was gone from the store, and is this machine's again (`said`, claim.py):
-        the store may have lost the run's checkpoints with it (emptied, or its bucket made again).
-        What it lacks of the home's is uploaded again; said in one line with `said`."""
+        """The claim was gone from the store, and is this machine's again (`said`, claim.py; "": said
+        already): the store may have lost the run's checkpoints with it (emptied, or its bucket made
+        again). What it lacks of the home's is uploaded again; said in one line with `said`."""
         with self._changed:
             self._recheck = said
             self._asked += 1
@@ -303,11 +303,13 @@ class Mirror:
             self._pending.update(lacking)
         if gone:
             names = ", ".join(path.name for _, path in sorted(lacking.items())) or "none"
-            said += (
-                f"; {self.store.at(self.run)} lost {len(gone)} checkpoint(s) too: uploading again those of "
+            lost = (
+                f"{self.store.at(self.run)} lost {len(gone)} checkpoint(s) with its claim: uploading again those of "
                 f"{self.home} it lacks ({names})"
             )
-        log.warning(said)
+            said = f"{said}; {lost}" if said else lost
+        if said:
+            log.warning(said)
 
     def _prune_remote(self) -> None:
         """The remote checkpoints of this run that local retention removed, but for the newest

@@ -94,12 +94,7 @@ def held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun | None]:
 @contextlib.contextmanager
 def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
     settings = cfg.checkpoint
-    if settings.remote_wait_s < 0 or not 0 < settings.remote_lease_s <= MOST_LEASE_S:
-        raise RunError(
-            f"checkpoint.remote_wait_s={settings.remote_wait_s} must not be negative, and "
-            f"checkpoint.remote_lease_s={settings.remote_lease_s} must be more than 0 and at most {MOST_LEASE_S:g} "
-            f"(seconds: no machine reads a claim of a longer lease)"
-        )
+    _check_times(settings)
     _refuse_nested_clash(cfg.name)
     store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg.name, Path(settings.dir), swept)
     if store.folder is not None and _overlap(store.folder / name, home):
@@ -146,6 +141,20 @@ def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
             f"checkpoint.remote: {error}; the run would not know its remote checkpoints: check the store and its "
             f"credentials (or the network), then run again"
         ) from None
+
+
+def _check_times(settings: DictConfig) -> None:
+    """checkpoint.remote_wait_s and remote_lease_s in their ranges, or one line naming the range."""
+    if settings.remote_wait_s < 0:
+        raise RunError(
+            f"checkpoint.remote_wait_s={settings.remote_wait_s:g} must be 0 or more: the seconds a run's end waits "
+            f"for its newest checkpoint to be remote"
+        )
+    if not 0 < settings.remote_lease_s <= MOST_LEASE_S:
+        raise RunError(
+            f"checkpoint.remote_lease_s={settings.remote_lease_s:g} must be more than 0 and at most {MOST_LEASE_S:g} "
+            f"(seconds): no machine reads a claim of a longer lease"
+        )
 
 
 def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
