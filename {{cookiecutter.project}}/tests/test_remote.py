@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from {{cookiecutter.package}}.engine.checkpoint import home as homes
 from {{cookiecutter.package}}.engine.checkpoint import onefile
 from {{cookiecutter.package}}.engine.checkpoint.remote import manifest
 from {{cookiecutter.package}}.engine.checkpoint.remote import run_folder as remote_run
-from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim
+from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim, pid_space
 from {{cookiecutter.package}}.engine.checkpoint.remote.fetch import fetch
 from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
 from {{cookiecutter.package}}.engine.checkpoint.remote.store import Conflict, Store, StoreError
@@ -36,6 +38,17 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
 from {{cookiecutter.package}}.engine.errors import RunError, SaveError
 
 RUN = "demo"
+
+
+@pytest.fixture(autouse=True)
+def no_claim_left_renewing():
+    """A claim a test leaves held renews on through later tests and logs its news into theirs."""
+    before = set(threading.enumerate())
+    yield
+    for thread in set(threading.enumerate()) - before:
+        if thread.name == "checkpoint-claim":
+            thread.join(10)  # released: it ends at once
+            assert not thread.is_alive(), "the test left a claim held: release it"
 
 
 def keys(s3, url: str) -> set[str]:
@@ -553,16 +566,23 @@ def test_a_run_aborts_its_own_incomplete_uploads_and_none_of_a_run_named_under_i
     assert f"aborted 3 upload(s) to {store_of(remote).url}/{RUN} that an earlier leg left incomplete" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["demo/committed", "demo/step_00000030", "demo/set-aside-x/b"])
-def test_a_run_named_like_a_folder_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo/committed", "demo/step_00000030", "demo/set-aside-x/b",  # its folders: their objects taken for its own
+        "demo/latest", "demo/goodput.json", "demo/run.lock",  # its files: in a mounted folder, never both
+    ],
+)  # fmt: skip
+def test_a_run_named_like_a_folder_or_file_of_the_run_above_it_is_refused_before_the_store_is_asked(name, tmp_path):
     settings = {"dir": str(tmp_path / "home"), "remote": str(tmp_path / "m"), "remote_wait_s": 5, "remote_lease_s": 60}
     config = OmegaConf.create({"name": name, "resume": "auto", "checkpoint": settings})
     with pytest.raises(RunError) as refused, remote_run.held(config, swept=False):
         pass
     part = name.split("/")[1]
     assert str(refused.value) == (
-        f"name={name}: {part} is a folder that the run demo keeps in its remote folder (step_<N>/, committed/, "
-        "set-aside-*/), which would take this run's objects for its own; give the run another name"
+        f"name={name}: {part} is a name that the run demo uses in its remote folder (its folders step_<N>/, "
+        "committed/, set-aside-*/ and its files latest, best, scores.json, goodput.json, claim.json, run.lock), "
+        "which would mix the two runs' objects; give the run another name"
     )
     assert not (tmp_path / "m").exists()
 
@@ -624,6 +644,42 @@ def test_a_newer_remote_checkpoint_whose_objects_are_gone_is_set_aside_once_and_
     assert warned == [
         f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
         "(step_00000020.pt, step_00000030.pt missing from the store: not moved)"
+    ]
+
+
+def test_a_newer_remote_checkpoint_the_store_will_not_copy_is_set_aside_once_without_it_and_the_uploads_go_on(
+    bucket, tmp_path, caplog
+):
+    """A lifecycle rule archived step 30's object (GLACIER: S3 refuses to copy it until restored):
+    the set-aside's copy failed for good and was retried for the life of the run, so that no later
+    checkpoint reached the store."""
+    remote, s3 = bucket
+    home, store = tmp_path / "home", store_of(remote)
+    first = Mirror(store, RUN, home, keep_last=3, leg="leg-1", known={})
+    for step in (10, 20, 30):
+        save(first, home, step, keep_last=3)
+    first.settle(30)
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    archived = {"Bucket": bucket_name, "Key": f"{prefix}/{RUN}/step_00000030.pt"}
+    s3.copy_object(**archived, CopySource=archived, StorageClass="GLACIER")  # what the lifecycle rule does
+    second = Mirror(store, RUN, home, keep_last=3, leg="leg-2", known=manifest.committed(store, RUN))
+    homes.set_aside_newer(home, 10)  # what a resume from step 10 does to the home
+    second.resumed_at(10)
+    save(second, home, 20, keep_last=3)
+    said = second.settle(30)
+    assert said.startswith(f"remote: step_00000020.pt is in {store.url}/{RUN} (uploaded "), said
+    assert sorted(manifest.committed(store, RUN)) == [10, 20]
+    aside = {key for key in store.list(RUN) if key.startswith("set-aside-")}
+    folder = next(iter(aside)).split("/")[0]
+    assert aside == {
+        f"{folder}/{key}"
+        for key in ("step_00000020.pt", "committed/step_00000020.json", "committed/step_00000030.json")
+    }
+    assert s3.head_object(**archived)["StorageClass"] == "GLACIER"  # left where it is, not deleted
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        f"resuming from step 10: the newer checkpoints of {store.url}/{RUN} are moved to {folder}/ "
+        "(step_00000030.pt (ObjectNotInActiveTierError) refused by the store: not moved, left where it is)"
     ]
 
 
@@ -749,6 +805,93 @@ def test_a_disk_that_fills_while_a_fetch_writes_is_named_with_the_room_and_nothi
     assert list(small_disk.iterdir()) == ([] if for_a_moment else [other])
 
 
+def mirrored_with_the_rest(remote: str, home: Path, best: str) -> str:
+    """`mirrored`'s three checkpoints of 256 KiB, with the run's goodput account and `best` naming `best`."""
+    home.mkdir(parents=True)
+    (home / "goodput.json").write_text('{"legs": []}')
+    (home / "best").write_text(best)
+    return mirrored(remote, home, floats=2**16)
+
+
+def assert_fetched_whole(home: Path, remote: str, names: list[str]) -> None:
+    """Once the disk has room, the same start fetches the checkpoints `names` and the rest of the home."""
+    with held(home, remote, "auto"):
+        pass
+    assert sorted(path.name for _, path in homes.steps(home)) == names
+    assert (home / "goodput.json").read_text() == '{"legs": []}' and (home / "latest").read_text() == names[-1]
+
+
+def test_a_disk_that_fills_once_a_fetch_has_its_checkpoint_keeps_none_of_it_and_says_the_room(
+    remote, tmp_path, small_disk, monkeypatch
+):
+    """The account and pointer that follow the checkpoint found no room: the write's OSError was a
+    traceback, and the checkpoint stayed, so that the next start fetched no more: no account."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, other = small_disk / RUN, small_disk / "another-writers-file"
+    real_get_file = Store.get_file
+
+    def then_filled(store, key, local, size):
+        real_get_file(store, key, local, size)
+        other.write_bytes(bytes(shutil.disk_usage(small_disk).free))
+
+    monkeypatch.setattr(Store, "get_file", then_filled)
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 25\d KiB, and the disk there has 2\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == [other]  # the home the claim made gone with the checkpoint
+    other.unlink()
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
+
+
+def test_a_disk_with_room_for_the_newest_checkpoint_but_not_best_keeps_neither_and_says_the_room_of_both(
+    remote, tmp_path, small_disk
+):
+    """The newest checkpoint stayed, `best`'s was refused: the next start, the disk grown, fetched no
+    more, and the remote's retention, going by the home, later deleted the run's best checkpoint."""
+    url = mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000010.pt")
+    home = small_disk / RUN
+    with pytest.raises(SaveError) as refused, held(home, remote, "auto"):
+        pass
+    assert re.fullmatch(
+        rf"cannot fetch {re.escape(f'{url}/{RUN}/step_00000030.pt')} and the rest of the run's home into "
+        rf"{re.escape(str(home))}: it takes 51\d KiB, and the disk there has 5\d\d KiB free; free space there, or "
+        r"choose a folder with room with checkpoint\.dir=<path>, then run again",
+        str(refused.value),
+    ), refused.value
+    assert list(small_disk.iterdir()) == []
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_disk)], check=True)
+    assert_fetched_whole(home, remote, ["step_00000010.pt", "step_00000030.pt"])
+
+
+def test_a_store_that_stops_answering_once_a_fetch_has_its_checkpoint_leaves_none_of_it(
+    bucket, s3_server, tmp_path, monkeypatch
+):
+    """The checkpoint stayed without the account that follows it: the next start, the store back,
+    found the newest checkpoint in its home and fetched no more."""
+    remote, _ = bucket
+    mirrored_with_the_rest(remote, tmp_path / "home", best="step_00000030.pt")
+    home, store = tmp_path / "new-machine", Store(remote, deadline_s=2)
+    real_get_file, outage = Store.get_file, contextlib.ExitStack()
+
+    def then_down(store, key, local, size):
+        real_get_file(store, key, local, size)
+        outage.enter_context(s3_server.paused())
+
+    monkeypatch.setattr(Store, "get_file", then_down)
+    home.mkdir()
+    with outage, pytest.raises(StoreError, match="no answer within 2 s"):
+        fetch(store, RUN, home, manifest.committed(store_of(remote), RUN))
+    assert list(home.iterdir()) == []
+    monkeypatch.setattr(Store, "get_file", real_get_file)
+    assert_fetched_whole(home, remote, ["step_00000030.pt"])
+
+
 def test_the_copies_a_kill_left_half_made_in_a_mounted_folder_are_removed_and_nothing_else(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     run = tmp_path / "mounted" / RUN
@@ -773,14 +916,19 @@ def test_resume_last_with_no_checkpoint_here_or_there_is_refused_naming_both(rem
     )
 
 
-@pytest.mark.parametrize("wait_s, lease_s", [(-1, 60), (25, 0), (25, 3601)])
-def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s):
+@pytest.mark.parametrize(
+    "wait_s, lease_s, said",
+    [
+        (-1, 60, "checkpoint.remote_wait_s=-1 must be 0 or more: the seconds a run's end waits for its newest "
+         "checkpoint to be remote"),
+        *[(25, lease_s, f"checkpoint.remote_lease_s={lease_s} must be more than 0 and at most 3600 (seconds): no "
+           "machine reads a claim of a longer lease") for lease_s in (0, 3601, 7200)],
+    ],
+)  # fmt: skip
+def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is_asked(tmp_path, wait_s, lease_s, said):
     with pytest.raises(RunError) as refused, held(tmp_path / "home", str(tmp_path / "m"), "auto", wait_s, lease_s):
         pass
-    assert str(refused.value) == (
-        f"checkpoint.remote_wait_s={wait_s} must not be negative, and checkpoint.remote_lease_s={lease_s} must be "
-        "more than 0 and at most 3600 (seconds: no machine reads a claim of a longer lease)"
-    )
+    assert str(refused.value) == said
     assert not (tmp_path / "m").exists()
 
 
@@ -854,7 +1002,7 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
     pid = int(ended.stdout)
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     left = {"holder": f"PID {pid} on {os.uname().nodename}", "pid": pid, "host": os.uname().nodename, "home": "/a"}
-    left |= {"leg": "a", "started": "", "lease_s": 3600, "released": False}
+    left |= {"pid_space": pid_space(), "leg": "a", "started": "", "lease_s": 3600, "released": False}
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(left).encode())
     claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60)
     claimed.take()
@@ -863,6 +1011,22 @@ def test_a_claim_whose_holder_was_a_process_of_this_machine_that_ended_is_taken_
         r.getMessage().endswith(f"from PID {pid} on {os.uname().nodename} (home /a), which ended")
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("other", ["another boot", "another PID namespace"])
+def test_a_holder_of_this_host_name_on_another_machine_or_container_is_not_taken_for_one_that_ended(
+    bucket, tmp_path, other
+):
+    """VMs made from one image share a host name; containers with the host's network take the
+    host's: the holder's PID, not found here, says nothing of whether it lives."""
+    remote, s3 = bucket
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    boot, namespace = pid_space().split(" ")
+    elsewhere = f"{boot} pid:[1]" if other == "another PID namespace" else f"{uuid.uuid4()} {namespace}"
+    put_claim(s3, remote, lease_s=3600, host=socket.gethostname(), pid=int(ended.stdout), pid_space=elsewhere)
+    with pytest.raises(RunError, match=rf"^{re.escape(Store(remote).url)}/{RUN} is in use by PID 1 on "):
+        RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=60).take()
+    assert claim_of(s3, remote)["leg"] == "b"
 
 
 def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(bucket, tmp_path):
@@ -877,6 +1041,26 @@ def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(buc
     assert claimed.lost is None
     claimed.renew()  # with the version it learned
     claimed.release()
+
+
+def test_a_release_after_a_takeover_leaves_the_new_holders_claim_and_says_it_was_lost(bucket, tmp_path, caplog):
+    remote, s3 = bucket
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
+    found = s3.get_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json")["Body"].read()
+    s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=found + b" ")  # a renewal unanswered
+    claimed.release()
+    assert claim_of(s3, remote)["released"], "this machine's own, at a version it never heard of"
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=600)
+    claimed.take()
+    put_claim(s3, remote, lease_s=60)  # taken over since the last renewal (its lease ran out in an outage)
+    claimed.release()
+    assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"lost the claim on {store.url}/{RUN} to PID 1 on host-b (home /b) before this run's end"
+    ]
 
 
 def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_path):
@@ -895,6 +1079,7 @@ def test_a_machine_whose_claim_another_took_publishes_no_manifest(bucket, tmp_pa
     assert "lost the claim on" in said and "PID 1 on host-b (home /b)" in said
     assert claimed.lost.startswith(f"lost the claim on {store.url}/{RUN} to PID 1 on host-b")
     assert {key for key in keys(s3, remote) if key.startswith("committed/")} == {"committed/step_00000010.json"}
+    claimed.release()  # its renewals end: a later test's log would hear of this loss again
 
 
 def claim_of(s3, remote: str) -> dict:
@@ -941,6 +1126,41 @@ def test_a_claim_deleted_under_a_live_run_is_made_again_by_its_holder_and_never_
     other.release()  # gone already: nothing to release, and no error
 
 
+def until(happened, what: str, bound_s: float = 30) -> None:
+    """Returns once `happened()`; fails after `bound_s` seconds, saying `what` did not happen."""
+    deadline = time.monotonic() + bound_s
+    while not happened():
+        assert time.monotonic() < deadline, f"{what}: not within {bound_s:g} s"
+        time.sleep(0.02)
+
+
+def test_the_renewal_thread_makes_a_deleted_claim_again_or_stops_as_lost_and_never_dies(
+    bucket, tmp_path, caplog, monkeypatch
+):
+    remote, s3 = bucket
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    store = store_of(remote)
+    claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=0.6)  # its thread renews every 0.2 s
+    claimed.take()
+    with claimed._lock:  # between two renewals: none in flight
+        delete_claim(s3, remote)
+    remade = f"the claim on {store.url}/{RUN} was gone from the store (deleted, or the store emptied): this machine "
+    until(lambda: died or any(r.getMessage().startswith(remade) for r in caplog.records), "the claim made again")
+    assert not died, died[0].exc_value
+    assert claim_of(s3, remote)["leg"] == claimed.leg and claimed.lost is None
+    with claimed._lock:  # deleted, then another machine's before this one renews
+        delete_claim(s3, remote)
+        put_claim(s3, remote, lease_s=60)
+    stops = "; this machine stops at its next logging step"
+    until(lambda: died or any(said.endswith(stops) for said in caplog.messages), "the claim lost")
+    assert not died, died[0].exc_value
+    assert claimed.lost.startswith(f"lost the claim on {store.url}/{RUN} to PID 1 on host-b (home /b)")
+    assert f"{claimed.lost}{stops}" in caplog.messages
+    claimed.release()
+    assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
+
+
 def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_home_still_has(bucket, tmp_path, caplog):
     remote, s3 = bucket
     bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
@@ -968,7 +1188,7 @@ def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_ho
     at = f"{Store(remote).url}/{RUN}"
     assert said == [
         f"the claim on {at} was gone from the store (deleted, or the store emptied): this machine holds it again; "
-        f"{at} lost 2 checkpoint(s) too: uploading again those of {home} it lacks (step_00000010.pt, "
+        f"{at} lost 2 checkpoint(s) with its claim: uploading again those of {home} it lacks (step_00000010.pt, "
         "step_00000020.pt)"
     ]
 
@@ -981,7 +1201,7 @@ def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) 
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
 
 
-def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path):
+def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path, caplog):
     """Emptied while the claim is held and the mirror not yet built (a fetch, the run's set-up): the
     mirror, built with the old list, hears of the claim's remake when it starts."""
     remote, s3 = bucket
@@ -1004,6 +1224,13 @@ def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the
         while manifests(s3, remote) != {"committed/step_00000010.json", "committed/step_00000020.json"}:
             assert time.monotonic() < deadline, f"not uploaded again within 30 s: {keys(s3, remote)}"
             time.sleep(0.05)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    at = f"{Store(remote).url}/{RUN}"
+    assert said == [  # the claim's line once, when it was made again; what else was lost, once the mirror knew
+        f"the claim on {at} was gone from the store (deleted, or the store emptied): this machine holds it again",
+        f"{at} lost 2 checkpoint(s) with its claim: uploading again those of {home} it lacks (step_00000010.pt, "
+        "step_00000020.pt)",
+    ]
 
 
 @pytest.mark.parametrize("lease_s", [7200, "60"])
@@ -1026,15 +1253,16 @@ def test_a_claim_this_project_cannot_read_is_held_for_the_longest_lease_and_neve
 def test_a_new_machine_waits_for_a_lost_holder_on_another_host_to_run_out_and_takes_over(bucket, tmp_path, caplog):
     remote, s3 = bucket
     caplog.set_level(logging.INFO)
-    put_claim(s3, remote, lease_s=3)  # a machine taken away a moment ago: its lease runs 3 s yet
     store = store_of(remote)
+    store.list(RUN)  # its client made first (seconds, on a busy machine): the claim below is read at once
+    put_claim(s3, remote, lease_s=4)  # a machine taken away a moment ago: its lease runs 4 s yet
     claimed = RemoteClaim(store, RUN, tmp_path / "home", lease_s=60)
     claimed.take()
     claimed.release()
     said = [r.getMessage() for r in caplog.records if "host-b" in r.getMessage()]
     assert re.fullmatch(
         rf"{re.escape(store.url)}/{RUN} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless "
-        r"renewed: waiting to see which \(up to [2-5] s\)",
+        r"renewed: waiting to see which \(up to [2-6] s\)",
         said[0],
     ), said
     assert re.fullmatch(
@@ -1145,6 +1373,21 @@ def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_s
         str(stopped.value),
     ), stopped.value
     assert manifests(s3, remote) == {"committed/step_00000010.json"}
+
+
+@pytest.mark.slow
+def test_a_new_machine_started_while_a_lost_machines_lease_runs_waits_for_it_and_trains(make_cfg, bucket, caplog):
+    remote, s3 = bucket
+    caplog.set_level(logging.INFO)
+    common = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=10", f"checkpoint.remote={remote}"]
+    cfg = make_cfg(*common, "resume=auto")  # composed first: the claim below is read a moment after it is written
+    put_claim(s3, remote, lease_s=6)  # a machine on another host, killed a moment ago: no exit 2 for its lease
+    assert recipe.train(cfg)["step"] == 10
+    at = re.escape(f"{Store(remote).url}/{RUN}")
+    waited = rf"{at} is held by PID 1 on host-b \(home /b\), whose lease runs out in \d s unless renewed: waiting .*"
+    assert [said for said in caplog.messages if re.fullmatch(waited, said)], caplog.messages
+    assert [said for said in caplog.messages if re.fullmatch(rf"took over {at} from PID 1 on host-b .*", said)]
+    assert "committed/step_00000010.json" in manifests(s3, remote)
 
 
 @pytest.mark.slow

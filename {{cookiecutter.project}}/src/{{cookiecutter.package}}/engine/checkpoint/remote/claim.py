@@ -3,16 +3,16 @@ not both train it: `<remote>/<name>/claim.json`, made with S3's conditional writ
 only where there is none), renewed every third of its lease with another (If-Match: only where it
 is still the version this machine wrote), and released at the end. A claim whose lease ran out, by
 the store's own clock (its Date header less the object's Last-Modified: no two machines' clocks are
-compared), or whose holder was a process of this machine that ended, is taken over, by one machine
-only: a second conditional write loses. A holder on another machine whose lease runs out within this
-machine's own is waited for: renewed meanwhile, it lives, and this machine is refused; not renewed,
-it is taken over. Each renewal writes a new version (its count changes), so that a renewal shows. A
-claim this module cannot read (another program's, damaged) is held, as far as this machine can
-tell, for the longest lease it accepts, and a takeover of it is said. A machine whose
-claim was taken over learns it at its next renewal, and stops; the mirror renews right before each
-manifest, so that it publishes nothing after it lost the run. A claim gone from the store (deleted,
-the bucket emptied) is made again by its holder's next renewal, only where no other machine made one
-first (If-None-Match): else that is a lost claim.
+compared), or whose holder was a process of this machine (its host name, boot and PID namespace)
+that ended, is taken over, by one machine only: a second conditional write loses. A holder on
+another machine whose lease runs out within this machine's own is waited for: renewed meanwhile, it
+lives, and this machine is refused; not renewed, it is taken over. Each renewal writes a new version
+(its count changes), so that a renewal shows. A claim this module cannot read (another program's,
+damaged) is held, as far as this machine can tell, for the longest lease it accepts, and a takeover
+of it is said. A machine whose claim was taken over learns it at its next renewal, and stops; the
+mirror renews right before each manifest, so that it publishes nothing after it lost the run. A
+claim gone from the store (deleted, the bucket emptied) is made again by its holder's next renewal,
+only where no other machine made one first (If-None-Match): else that is a lost claim.
 
 A mounted folder is claimed as a home is (claim.py: a POSIX lock on `run.lock`).
 """
@@ -61,6 +61,7 @@ class RemoteClaim:
             "holder": f"PID {os.getpid()} on {socket.gethostname()}",
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "pid_space": pid_space(),
             "home": str(home.absolute()),
             "leg": self.leg,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -73,7 +74,7 @@ class RemoteClaim:
         self._ended = threading.Event()
         self.lost: str | None = None
         self._listener: Callable[[str], None] | None = None  # told of a remake (listen)
-        self._unheard: str | None = None  # the last remake's line, said before anyone listened
+        self._unheard = False  # a remake said before anyone listened
 
     def take(self) -> None:
         """Holds the run's folder, or raises a RunError naming the machine that does."""
@@ -111,7 +112,7 @@ class RemoteClaim:
         once): returned once its lease ran out or it was released (None: deleted), to take over.
         Refused at once, or once it was renewed meanwhile (it lives)."""
         left = _lease(holder) - found.age_s
-        if (holder is not None and holder.get("host") == socket.gethostname()) or left > self.lease_s:
+        if _here(holder) or left > self.lease_s:
             raise self._refused(found, holder)
         log.info(
             f"{self.at} is held by {_who(holder)}, whose lease runs out in {left:.0f} s unless renewed: waiting to "
@@ -156,13 +157,14 @@ class RemoteClaim:
                 self._lose()
 
     def listen(self, listener: Callable[[str], None]) -> None:
-        """`listener` told, in one line, each time the claim was gone from the store and is this
-        machine's again (the mirror, run_folder.py, checks then what else the store lost); at once
-        where that happened before it listened: the renewals run from `take`, through a fetch."""
+        """`listener` told each time the claim was gone from the store and is this machine's again,
+        with the line to say (the mirror, run_folder.py, says it with what else the store lost); at
+        once, with "" (said already), where that happened before it listened: the renewals run from
+        `take`, through a fetch."""
         with self._lock:
-            self._listener, unheard, self._unheard = listener, self._unheard, None
-        if unheard is not None:
-            listener(unheard)
+            self._listener, unheard, self._unheard = listener, self._unheard, False
+        if unheard:
+            listener("")
 
     def _take_again(self, body: bytes) -> None:
         try:
@@ -174,7 +176,7 @@ class RemoteClaim:
             self._listener(said)
         else:
             log.warning(said)
-            self._unheard = said
+            self._unheard = True
 
     def _lose(self) -> None:
         """Raises Lost, naming the claim's holder, unless the claim is this machine's write whose
@@ -189,18 +191,29 @@ class RemoteClaim:
 
     def release(self) -> None:
         """The claim, marked released (a conditional PUT: more stores take it than a conditional
-        DELETE), unless another machine holds it by now."""
+        DELETE), unless another machine holds it by now: that is said."""
         self._ended.set()
         with self._lock:
             if self.lost is not None or self._etag is None:
                 return
-            try:
-                released = json.dumps({**self._holder, "released": True}).encode()
-                self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
-            except FileNotFoundError:  # gone from the store already: nothing holds the run
-                pass
-            except StoreError as error:
-                log.warning(f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after")
+            released = json.dumps({**self._holder, "released": True}).encode()
+            for _ in range(2):  # again with the version of a renewal that landed unanswered (_lose)
+                try:
+                    self.store.put_bytes(self.key, released, if_match=self._etag, within=RELEASE_S)
+                    return
+                except FileNotFoundError:  # gone from the store already: nothing holds the run
+                    return
+                except Conflict:
+                    try:
+                        self._lose()
+                    except Lost as lost:  # taken over since the last renewal: not this machine's to release
+                        log.warning(f"{lost} before this run's end")
+                        return
+                except StoreError as error:
+                    log.warning(
+                        f"could not release the claim on {self.at} ({error}); it runs out {self.lease_s:g} s after"
+                    )
+                    return
 
     def _renewing(self) -> None:
         while not self._ended.wait(self.lease_s / 3):
@@ -256,13 +269,30 @@ def _why_free(found: Read, holder: dict | None) -> str:
     return f"whose lease ran out {found.age_s - holder['lease_s']:.0f} s ago"
 
 
+def pid_space() -> str | None:
+    """This machine's boot and this process's PID namespace (Linux; None elsewhere): the PIDs it can
+    look up. A host name alone does not say it: VMs made from one image share theirs, and containers
+    with the host's network take the host's."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _here(holder: dict | None) -> bool:
+    """Whether the claim's holder is a process this one can look up by its PID: of this host name,
+    this boot, this PID namespace."""
+    return holder is not None and holder.get("host") == socket.gethostname() and holder.get("pid_space") == pid_space()
+
+
 def _ended_here(holder: dict | None) -> bool:
     """Whether the claim's holder was a process of this machine that is gone (a kill -9, and the
     job's next leg, or a standby, on the same machine): no need to wait for its lease."""
-    if holder is None:
+    if not _here(holder):
         return False
     pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
+    if type(pid) is not int or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)

@@ -8,7 +8,9 @@ shards' checksums, its format), checked to be the one its manifest names, and on
 into place. One that fails is skipped, with a warning, for the one before it. The run's ranking,
 `best` and goodput account follow, read later as any home's are (as data), and the checkpoint
 `best` names where it is not the newest: retention keeps it in the home, and so the remote keeps
-it (mirror.py), and eval.py's `checkpoint=best` reads it.
+it (mirror.py), and eval.py's `checkpoint=best` reads it. All of it, or none: where the rest fails (a
+disk that filled meanwhile, a store that stopped answering), the checkpoints fetched go too, for the
+next leg to fetch it all again.
 """
 
 import contextlib
@@ -17,12 +19,13 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, SaveError
 from ...files import check_room, no_room, remove, sync_folder, temporary, write_atomically
 from .. import onefile, schema
-from ..home import BEST, GOODPUT, NAME, POINTER, SCORES
+from ..home import BEST, GOODPUT, NAME, POINTER, SCORES, steps
 from . import manifest
 from .store import Store, StoreError
 
@@ -37,10 +40,32 @@ def fetch(store: Store, run: str, home: Path, known: dict[int, dict | str], afte
     for step in sorted((step for step in known if step > after), reverse=True):
         path = _fetch_one(store, run, home, known[step], step, listing, "falling back to an older one")
         if path is not None:
-            _fetch_rest(store, run, home, path, known, skipped, listing)
+            what = f"cannot fetch {store.at(f'{run}/{path.name}')} and the rest of the run's home into {home}"
+            with _whole(home, path, sum(known[step]["files"].values()), what) as needs:
+                _fetch_rest(store, run, home, path, known, skipped, listing, needs)
             return path
         skipped.add(step)
     return None
+
+
+@contextlib.contextmanager
+def _whole(home: Path, fetched: Path, size: int, what: str) -> Iterator[Callable[[int], None]]:
+    """The block that fetches the rest of the run's home after the checkpoint `fetched`, or none of
+    the fetch: a home that holds the run's newest checkpoint is taken as whole by the next leg, which
+    fetches nothing more (the account, `best` and its checkpoint would be lost). A disk without room
+    for the rest is said as `what`, with the room all of it takes: `fetched`'s `size`, and the bytes
+    the block adds through the function it is given."""
+    before = {path for _, path in steps(home)} - {fetched}
+    needed = [size]
+    try:
+        yield needed.append
+    except BaseException as error:
+        for _, path in steps(home):
+            if path not in before:
+                remove(path)
+        if isinstance(error, SaveError) or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
+            raise no_room(shutil.disk_usage(home).free, sum(needed), what) from None
+        raise
 
 
 def _fetch_one(
@@ -116,21 +141,31 @@ def _check(path: Path, found: dict) -> None:
 
 
 def _fetch_rest(
-    store: Store, run: str, home: Path, fetched: Path, known: dict, skipped: set[int], listing: dict[str, int]
+    store: Store,
+    run: str,
+    home: Path,
+    fetched: Path,
+    known: dict,
+    skipped: set[int],
+    listing: dict[str, int],
+    needs: Callable[[int], None],
 ) -> None:
     """The run's ranking, `best` and goodput account, and `latest`: the remote's are newer than any
     the home has (its checkpoint is). First the checkpoint `best` names, where the home lacks it (and
-    it was not `skipped` already: a warning said why)."""
+    it was not `skipped` already: a warning said why). `needs` is told the bytes of each."""
     found = {}
     for name in (SCORES, BEST, GOODPUT):
         with contextlib.suppress(FileNotFoundError):
             found[name] = store.get_bytes(f"{run}/{name}")
+    for data in (*found.values(), fetched.name.encode()):
+        needs(len(data))
     best = found.get(BEST, b"").decode(errors="replace").strip()
     if (named := NAME.fullmatch(best)) and not (home / best).exists():
         lacking = f"`best` names a checkpoint {home} does not hold"
         if (step := int(named[1])) not in known:
             log.warning(f"{best}, the run's best, is not in {store.at(run)}; {lacking}")
         elif step not in skipped:
+            needs(sum(known[step]["files"].values()) if isinstance(known[step], dict) else 0)
             _fetch_one(store, run, home, known[step], step, listing, lacking)
     for name, data in found.items():
         write_atomically(home / name, lambda file, data=data: file.write(data), durable=True)

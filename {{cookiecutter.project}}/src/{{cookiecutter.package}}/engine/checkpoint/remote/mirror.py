@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...errors import listed
 from ..home import BEST, GOODPUT, POINTER, SCORES, aside, best_of, mirrored, prune, step_of, steps
 from . import manifest
 from .claim import Lost
@@ -244,33 +245,49 @@ class Mirror:
     def _set_aside(self, step: int) -> None:
         """The remote checkpoints past `step`, each moved into `set-aside-<time>-after-step-<step>/`:
         its objects copied, its manifest copied, then removed (from here no resume sees it), then
-        the objects it lists. An object already gone (deleted by hand or a lifecycle rule, or never
-        there: a manifest from elsewhere) is said, and its manifest moved without it."""
+        the objects it lists. An object that no retry would move is said, and its manifest moved
+        without it: one already gone (deleted by hand or a lifecycle rule, or never there: a manifest
+        from elsewhere), or one the store refuses to copy (archived by a lifecycle rule), which stays
+        where it is."""
         with self._changed:
             newer = {number: found for number, found in self._remote.items() if number > step}
         if not newer:
             return
         folder = aside(step)
-        missing = []
+        missing: list[str] = []
+        refused: dict[str, str] = {}  # key: the store's reason
         for number, found in sorted(newer.items()):
-            for key, size in manifest.objects(found).items():
-                try:
-                    self.store.copy(f"{self.run}/{key}", f"{self.run}/{folder}/{key}", size)
-                except FileNotFoundError:
-                    missing.append(key)
+            self._copy_aside(found, folder, missing, refused)
             self.store.put_bytes(f"{self.run}/{folder}/{manifest.key_of(number)}", json.dumps(found, indent=1).encode())
-            self._delete(number, found)
+            self._delete(number, found, kept=set(refused))
         said = f"resuming from step {step}: the newer checkpoints of {self.store.at(self.run)} are moved to {folder}/"
-        if missing:
-            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-            log.warning(f"{said} ({shown} missing from the store: not moved)")
+        unmoved = [f"{listed(missing, 3)} missing from the store: not moved"] if missing else []
+        if refused:
+            shown = listed([f"{key} ({why})" for key, why in refused.items()], 3)
+            unmoved.append(f"{shown} refused by the store: not moved, left where it is")
+        if unmoved:
+            log.warning(f"{said} ({'; '.join(unmoved)})")
         else:
             log.info(said)
 
+    def _copy_aside(self, found: dict, folder: str, missing: list[str], refused: dict[str, str]) -> None:
+        """The objects the manifest `found` lists, copied into `folder`; those gone added to
+        `missing`, those the store refuses to copy for good (a StoreError that is not transient) to
+        `refused`, with its reason. A failure a retry may get past is raised: the set-aside is retried."""
+        for key, size in manifest.objects(found).items():
+            try:
+                self.store.copy(f"{self.run}/{key}", f"{self.run}/{folder}/{key}", size)
+            except FileNotFoundError:
+                missing.append(key)
+            except StoreError as error:
+                if error.transient:
+                    raise
+                refused[key] = str(error).removeprefix(f"{self.store.at(f'{self.run}/{key}')}: ")
+
     def recheck(self, said: str) -> None:
-        """The claim was gone from the store, and is this machine's again (`said`, claim.py):
-        the store may have lost the run's checkpoints with it (emptied, or its bucket made again).
-        What it lacks of the home's is uploaded again; said in one line with `said`."""
+        """The claim was gone from the store, and is this machine's again (`said`, claim.py; "": said
+        already): the store may have lost the run's checkpoints with it (emptied, or its bucket made
+        again). What it lacks of the home's is uploaded again; said in one line with `said`."""
         with self._changed:
             self._recheck = said
             self._asked += 1
@@ -286,11 +303,13 @@ class Mirror:
             self._pending.update(lacking)
         if gone:
             names = ", ".join(path.name for _, path in sorted(lacking.items())) or "none"
-            said += (
-                f"; {self.store.at(self.run)} lost {len(gone)} checkpoint(s) too: uploading again those of "
+            lost = (
+                f"{self.store.at(self.run)} lost {len(gone)} checkpoint(s) with its claim: uploading again those of "
                 f"{self.home} it lacks ({names})"
             )
-        log.warning(said)
+            said = f"{said}; {lost}" if said else lost
+        if said:
+            log.warning(said)
 
     def _prune_remote(self) -> None:
         """The remote checkpoints of this run that local retention removed, but for the newest
@@ -303,13 +322,13 @@ class Mirror:
             if manifest.name_of(found) not in local:
                 self._delete(step, found)
 
-    def _delete(self, step: int, found: dict) -> None:
+    def _delete(self, step: int, found: dict, kept: set[str] = frozenset()) -> None:
         """The remote checkpoint of `step`: its manifest first (from then no resume sees it), then
-        the objects the manifest `found` lists, and a folder checkpoint's emptied folder."""
+        the objects the manifest `found` lists but those `kept`, and a folder checkpoint's emptied folder."""
         self.store.delete(f"{self.run}/{manifest.key_of(step)}")
         with self._changed:
             self._remote.pop(step, None)
-        for key in manifest.objects(found):
+        for key in manifest.objects(found).keys() - kept:
             self.store.delete(f"{self.run}/{key}")
         if found["kind"] == "folder":
             self.store.tidy(f"{self.run}/{manifest.name_of(found)}")

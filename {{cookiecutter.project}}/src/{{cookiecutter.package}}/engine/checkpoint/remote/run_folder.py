@@ -18,14 +18,17 @@ from omegaconf import DictConfig
 from ... import distributed
 from ...errors import RunError
 from ..claim import claim
-from ..home import ASIDE, NAME, steps
+from ..home import ASIDE, BEST, GOODPUT, LOCK, NAME, POINTER, SCORES, steps
 from . import manifest
-from .claim import MOST_LEASE_S, holding
+from .claim import CLAIM, MOST_LEASE_S, holding
 from .fetch import fetch
 from .mirror import Mirror
 from .store import Store, StoreError
 
 log = logging.getLogger(__name__)
+
+# The run's files in its remote folder, beside its checkpoints (a mounted folder's lock among them).
+FILES = (POINTER, BEST, SCORES, GOODPUT, CLAIM, LOCK)
 
 
 class RemoteRun:
@@ -91,19 +94,8 @@ def held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun | None]:
 @contextlib.contextmanager
 def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
     settings = cfg.checkpoint
-    if settings.remote_wait_s < 0 or not 0 < settings.remote_lease_s <= MOST_LEASE_S:
-        raise RunError(
-            f"checkpoint.remote_wait_s={settings.remote_wait_s} must not be negative, and "
-            f"checkpoint.remote_lease_s={settings.remote_lease_s} must be more than 0 and at most {MOST_LEASE_S:g} "
-            f"(seconds: no machine reads a claim of a longer lease)"
-        )
-    parts = cfg.name.split("/")
-    if (clash := next((number for number in range(1, len(parts)) if _owned(f"{parts[number]}/")), None)) is not None:
-        raise RunError(
-            f"name={cfg.name}: {parts[clash]} is a folder that the run {'/'.join(parts[:clash])} keeps in its remote "
-            f"folder (step_<N>/, committed/, set-aside-*/), which would take this run's objects for its own; give the "
-            f"run another name"
-        )
+    _check_times(settings)
+    _refuse_nested_clash(cfg.name)
     store, home, name = Store(settings.remote), Path(settings.dir), folder_of(cfg.name, Path(settings.dir), swept)
     if store.folder is not None and _overlap(store.folder / name, home):
         raise RunError(
@@ -151,6 +143,20 @@ def _held(cfg: DictConfig, swept: bool) -> Iterator[RemoteRun]:
         ) from None
 
 
+def _check_times(settings: DictConfig) -> None:
+    """checkpoint.remote_wait_s and remote_lease_s in their ranges, or one line naming the range."""
+    if settings.remote_wait_s < 0:
+        raise RunError(
+            f"checkpoint.remote_wait_s={settings.remote_wait_s:g} must be 0 or more: the seconds a run's end waits "
+            f"for its newest checkpoint to be remote"
+        )
+    if not 0 < settings.remote_lease_s <= MOST_LEASE_S:
+        raise RunError(
+            f"checkpoint.remote_lease_s={settings.remote_lease_s:g} must be more than 0 and at most {MOST_LEASE_S:g} "
+            f"(seconds): no machine reads a claim of a longer lease"
+        )
+
+
 def fetched_to_read(cfg: DictConfig, name: str, home: Path) -> Path | None:
     """For eval.py and export.py (`name=`, `checkpoint=last|best`): the newest valid checkpoint of
     the run `name` from `checkpoint.remote` into its `home`, where that holds none; with the run's
@@ -178,6 +184,20 @@ def folder_of(name: str, home: Path, swept: bool) -> str:
     is under checkpoints/: `<name>`, and a sweep job's (`swept`) `<name>/<its home's folder>`
     (sweeps.Job: its overrides), so that no two jobs share one."""
     return f"{name}/{home.name}" if swept else name
+
+
+def _refuse_nested_clash(name: str) -> None:
+    """Refuses a run named under another (`a/b` under `a`) by a name that run `a` uses in its remote
+    folder: a folder of its own would take `a/b`'s objects for `a`'s (and its start abort `a/b`'s
+    uploads), and in a mounted folder one of its files and `a/b`'s folder cannot both be."""
+    parts = name.split("/")
+    for number in range(1, len(parts)):
+        if _owned(f"{parts[number]}/") or parts[number] in FILES:
+            raise RunError(
+                f"name={name}: {parts[number]} is a name that the run {'/'.join(parts[:number])} uses in its remote "
+                f"folder (its folders step_<N>/, committed/, set-aside-*/ and its files {', '.join(FILES)}), which "
+                f"would mix the two runs' objects; give the run another name"
+            )
 
 
 def _owned(key: str) -> bool:
