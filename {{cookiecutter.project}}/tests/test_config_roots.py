@@ -79,17 +79,39 @@ CHANGES = [hiding_the_engines_settings, dropping_the_engines_entry, searching_el
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_configs_folder_that_hides_or_drops_the_engines_root_is_refused_in_one_line_naming_the_file(tmp_path, change):
     configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
-    check_roots(configs, [])
+    check_roots([configs], configs / "config.yaml", [])
     said = change(configs)
     with pytest.raises(RunError) as refused:
-        check_roots(configs, [])
+        check_roots([configs], configs / "config.yaml", [])
     assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
 
 
 def test_a_search_path_typed_without_the_engines_root_is_refused_and_one_that_names_it_is_not():
     with pytest.raises(RunError, match=r"^hydra.searchpath=\[file:///srv\] replaces the search path of .*: name it"):
-        check_roots(PROJECT / "configs", ["hydra.searchpath=[file:///srv]"])
-    check_roots(PROJECT / "configs", ["hydra.searchpath=[file:///srv,pkg://{{cookiecutter.package}}.engine.configs]"])
+        check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", ["hydra.searchpath=[file:///srv]"])
+    searched = "hydra.searchpath=[file:///srv,pkg://{{cookiecutter.package}}.engine.configs]"
+    check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", [searched])
+
+
+@pytest.mark.parametrize(
+    "spelled",
+    ["pkg://{{cookiecutter.package}}/engine/configs", "pkg://{{cookiecutter.package}}.engine.configs/", f"file://{CONFIG_ROOTS[1]}"]
+    + ["/engine", "engine.yaml", "engine@_here_", "engine@_global_"],  # the defaults list's entry
+)
+def test_the_engines_root_spelled_as_hydra_also_reads_it_is_not_refused(tmp_path, spelled):
+    """Each of these composes every setting: refused, as the spelling of config.yaml's was the only
+    one taken, a run that works would never start."""
+    configs = shutil.copytree(PROJECT / "configs", tmp_path / "configs")
+    choices = yaml.safe_load((configs / "config.yaml").read_text())
+    if "://" in spelled:
+        choices["hydra"]["searchpath"] = [spelled]
+    else:
+        choices["defaults"][choices["defaults"].index("engine")] = spelled
+    (configs / "config.yaml").write_text(yaml.safe_dump(choices, sort_keys=False))
+    assert composed(configs).trainer.max_steps == composed(PROJECT / "configs").trainer.max_steps
+    check_roots([configs], configs / "config.yaml", [])
+    if "://" in spelled:
+        check_roots([PROJECT / "configs"], PROJECT / "configs" / "config.yaml", [f"hydra.searchpath=[{spelled}]"])
 
 
 @pytest.mark.parametrize(
@@ -101,4 +123,33 @@ def test_each_command_on_such_a_configs_folder_says_that_one_line_and_exits_2(pr
     said = change(project / "configs")
     result = run_cli(project, "device=cpu", script=script)
     assert (result.returncode, result.stderr.count("\n")) == (2, 1), result.stderr
+    assert result.stderr.startswith(f"error: {said}")
+
+
+@pytest.mark.parametrize(
+    "option, typed",
+    [
+        ("--config-name", ["--config-name", "mine"]),
+        ("-cn", ["-cn=mine.yaml", "-c", "job"]),  # Hydra's -c is --cfg's: it would print a config without the engine's
+        ("--config-path", ["--config-path", "mine"]),
+        ("--config-dir", ["-cd", "mine"]),
+    ],
+)
+def test_the_config_or_folder_hydras_options_name_is_checked_as_configs_config_yaml_is(project, option, typed):
+    """`--config-name`, `--config-path` and `--config-dir` choose what Hydra composes from: a config
+    there that drops the engine's root, or a file there that hides it, had Hydra's errors (`Key
+    'trainer' is not in struct`), or a run with the wrong settings."""
+    configs = project / "configs"
+    if option == "--config-path":
+        configs = shutil.copytree(configs, project / "mine")
+        said = dropping_the_engines_entry(configs)
+    elif option == "--config-dir":
+        (project / "mine").mkdir()
+        said = hiding_the_engines_settings(project / "mine")
+    else:
+        said = dropping_the_engines_entry(configs).replace("config.yaml", "mine.yaml")
+        (configs / "config.yaml").rename(configs / "mine.yaml")
+        shutil.copy(PROJECT / "configs" / "config.yaml", configs / "config.yaml")
+    result = run_cli(project, *typed, "device=cpu", "trainer.max_steps=2")
+    assert (result.returncode, result.stdout, result.stderr.count("\n")) == (2, "", 1), result.stderr
     assert result.stderr.startswith(f"error: {said}")

@@ -160,7 +160,13 @@ def test_a_store_whose_package_is_missing_is_refused_naming_what_to_install(monk
         ("ｓ3://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("s3：//bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
         ("my_store://bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),
-        ("file://shared/runs", "checkpoint.remote=file://... names a host, which a file:// URL cannot reach"),
+        ("ｓ3:/bkt/runs", "checkpoint.remote=... has a scheme that is no store's (a look-alike letter"),  # one '/'
+        ("file://shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot reach"),
+        # A share's `//host/...` (Linux reads it as `/...`), as a file: URL or a path, and a file: URL's relative path.
+        ("file:////shared/runs", "checkpoint.remote=file://... names a host, which a path or a file:// URL cannot"),
+        ("//shared/runs", "checkpoint.remote=... names a host, which a path or a file:// URL cannot reach"),
+        ("\\\\shared\\runs", "checkpoint.remote=... names a host, which a path or a file:// URL cannot reach"),
+        ("file:runs", "checkpoint.remote=... names no absolute path (file:///<path> is a mounted folder's)"),
     ],
 )
 def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_folder(url, said, tmp_path, monkeypatch):
@@ -169,6 +175,19 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
         Store(url)
     assert str(refused.value).startswith(f"{said}") and "; give s3://<bucket>/<folder>, " in str(refused.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "url", ["ｓ3://bkt/runs", "ｓ3:/bkt/runs", "file:runs", "//{here}/runs", "file:////{here}/runs"]
+)
+def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_one_line(project, url):
+    """Each was a folder the run mirrored into without a word: `./ｓ3:/bkt/runs`, `./runs`, and
+    `<project>/runs` for a share's `//<host>/...` (here the project's path, which Linux reads so)."""
+    url = url.format(here=str(project).lstrip("/"))
+    refused = run_cli(project, "device=cpu", "trainer.max_steps=2", f"checkpoint.remote={url}")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: checkpoint.remote=") and "; give s3://<bucket>/" in refused.stderr
+    assert sorted(path.name for path in project.iterdir()) == ["configs", "eval.py", "export.py", "run.py"]
 
 
 @pytest.mark.parametrize(
@@ -212,6 +231,7 @@ def assert_refused_without_a_trace(refused: subprocess.CompletedProcess, project
         [],
         [project / "configs" / "config.yaml"],
         [project / "configs" / "experiment" / "keyed.yaml"],
+        [project / "configs" / "checkpoint" / "keyed.yaml"],
     )  # the test's own
 
 
@@ -232,6 +252,32 @@ def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_o
         config.write_text(config.read_text().replace("hydra:\n", f"hydra:\n{params}"))
         overrides = [] if where.endswith("not a sweep") else ["-m"]
     assert_refused_without_a_trace(run_cli(project, *overrides, "trainer.max_steps=2"), project)
+
+
+@pytest.mark.parametrize(
+    "where, swept",
+    [
+        ("checkpoint/keyed.yaml", ["checkpoint=unset,keyed"]),  # an option whose URL does not resolve first
+        ("experiment/keyed.yaml", ["experiment=cnn_digits,keyed"]),
+        ("checkpoint/keyed.yaml", []),  # config.yaml's hydra.sweeper.params choose the options
+    ],
+    ids=["typed-group", "typed-experiment", "sweeper-params-group"],
+)
+def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writes_its_config(project, where, swept):
+    """A sweep over a config group composes each job's config in the job, which writes it whole to
+    its .hydra/ (config.yaml, hydra.yaml) before it starts: the job refused the URL, the file held it."""
+    option = project / "configs" / where
+    option.parent.mkdir(exist_ok=True)
+    if where.startswith("experiment"):
+        option.write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n      checkpoint.remote: {KEYED}\n")
+    else:
+        option.write_text(f"defaults:\n  - default\nremote: {KEYED.partition(',')[2]}\n")
+        option.with_name("unset.yaml").write_text("defaults:\n  - default\nremote: ${oc.env:T_REMOTE_UNSET}\n")
+    if not swept:
+        config = project / "configs" / "config.yaml"
+        params = "  sweeper:\n    params:\n      checkpoint: default,keyed\n"
+        config.write_text(config.read_text().replace("hydra:\n", f"hydra:\n{params}"))
+    assert_refused_without_a_trace(run_cli(project, "-m", *swept, "trainer.max_steps=2"), project)
 
 
 # --- the store ----------------------------------------------------------------------------------

@@ -5,22 +5,25 @@ environment and provider chain (`AWS_*` and `~/.aws`, `GOOGLE_APPLICATION_CREDEN
 (s3fs would take `user:secret@bucket` for a bucket's name and print it in its errors), and before
 Hydra prints or writes it down: the command line is read before Hydra parses it (`refuse_typed`,
 first in run.py, eval.py and export.py: Hydra prints an override it cannot parse whole), and what
-a sweep lists in its configs (`hydra.sweeper.params`) before the launcher prints each job's
-overrides and writes `multirun.yaml` (RemoteURLCheck). A refusal repeats none of the URL but a
+a sweep lists in its configs (`hydra.sweeper.params`) or in the options it chooses before the
+launcher prints each job's overrides and writes `multirun.yaml` or a job's .hydra/ (RemoteURLCheck). A refusal repeats none of the URL but a
 store's scheme: where a URL carries a secret, no rule can say where the secret ends (an AWS secret
 key holds `/` and `+`).
 """
 
+import re
 import unicodedata
 from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ...errors import RunError, reported
 
@@ -30,6 +33,7 @@ PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": 
 # Where a URL's user part is the store's own (Azure's container@account), not a credential.
 NAMED_USER = ("az", "abfs", "abfss")
 LOCAL_HOSTS = ("", "localhost")  # what a file:// URL may name before its path
+HOST = "names a host, which a path or a file:// URL cannot reach (file:///<path> or the path is a mounted folder's)"
 
 
 def checked(url: str) -> str:
@@ -42,10 +46,14 @@ def checked(url: str) -> str:
     # and '@': a time, an address); without `//`, no host part is told from the path: all of it.
     login = host if rest.startswith("//") else rest
     said = f"{scheme}://..." if scheme and rest.startswith("//") else "..."
+    path = urlsplit(url).path if scheme == "file" else url  # the folder a path or a file: URL names
+    normal = unicodedata.normalize("NFKC", url)  # a look-alike letter as the letter it looks like: `ｓ` as `s`
     if "::" in url:
         problem = "chains filesystems ('::'), which may carry options and credentials"
-    elif "://" in unicodedata.normalize("NFKC", url) and not (scheme and rest.startswith("//")):
+    elif ("://" in normal and not (scheme and rest.startswith("//"))) or (urlsplit(normal).scheme and not scheme):
         return _refused(said, "has a scheme that is no store's (a look-alike letter, as a fullwidth 'ｓ'?)")
+    elif re.match(r"[/\\]{2}[^/\\]", path):  # a share's //host/: Linux reads `/...` (`\\host\`: a relative folder)
+        return _refused(said, HOST)
     elif not scheme or (len(scheme) == 1 and not rest.startswith("//")):  # a path; or a Windows drive's, C:\...
         return url
     elif scheme not in (*PACKAGES, "file"):
@@ -53,7 +61,9 @@ def checked(url: str) -> str:
     elif "?" in rest or "#" in rest:
         problem = "carries a query or fragment (a key or a signature, say)"
     elif scheme == "file" and host.lower() not in LOCAL_HOSTS:
-        return _refused(said, "names a host, which a file:// URL cannot reach (file:///<path> is a mounted folder's)")
+        return _refused(said, HOST)
+    elif scheme == "file" and not path.startswith("/"):  # `file:runs`: a folder under the working one
+        return _refused(said, "names no absolute path (file:///<path> is a mounted folder's)")
     elif scheme in PACKAGES and ":" in login:
         problem = "carries a password"
     elif scheme in PACKAGES and "@" in login and not (scheme in NAMED_USER and login.count("@") == 1):
@@ -82,13 +92,14 @@ class RemoteURLCheck(Callback):
     """Hydra's callback (engine.yaml) that refuses, in one line, a `checkpoint.remote` carrying a
     credential before Hydra prints or writes it: each value a sweep lists on the command line or
     in `hydra.sweeper.params` (the launcher prints each job's, and `multirun.yaml`, `hydra.yaml`
-    hold them), and the composed one (an interpolation resolved)."""
+    hold them), the composed one (an interpolation resolved), and each one an option the sweep
+    chooses sets or lists (its job's .hydra/ holds it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         reported(lambda: _each_checked(_configured(config)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        reported(lambda: _each_checked(_configured(config)))
+        reported(lambda: _each_checked(_swept(config)))
 
 
 def _each_checked(urls: Iterable[str]) -> None:
@@ -96,16 +107,50 @@ def _each_checked(urls: Iterable[str]) -> None:
         checked(url)
 
 
+SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
+
+
+def _overrides(config: DictConfig) -> list[str]:
+    """What `config`'s command line overrides, and what its sweeper's params list, as Hydra's
+    sweepers read them (`key: <override's value>`)."""
+    params = OmegaConf.select(config, SWEPT) or {}
+    return [*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+
+
 def _configured(config: DictConfig) -> Iterator[str]:
     """The values of `checkpoint.remote` in `config`: those its command line gives, those its
-    sweeper's params list (as Hydra's sweepers read them: `key: <override's value>`), the composed one."""
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    yield from _given([*config.hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())])
-    if (url := config.checkpoint.get("remote")) is not None:
+    sweeper's params list, the composed one."""
+    yield from _given(_overrides(config))
+    try:
+        url = config.checkpoint.get("remote")
+    except OmegaConfBaseException:  # an interpolation that does not resolve (`${oc.env:...}` unset): the job says so
+        return
+    if url is not None:
         yield str(url)
 
 
-SWEPT = "hydra.sweeper.params"  # where a sweep's values may be typed too, read by the sweeper
+def _swept(config: DictConfig) -> Iterator[str]:
+    """The values of `checkpoint.remote` in a sweep's `config` (`_configured`), and in the config of
+    each option the sweep chooses for a config group (`experiment=a,b`, `checkpoint=default,keyed`,
+    typed or the sweeper's param), composed as its job's will be: each job writes its own config to
+    its .hydra/ before it starts, and an option's file may set `checkpoint.remote` or list a sweep."""
+    yield from _configured(config)
+    loader = GlobalHydra.instance().config_loader()
+    try:
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(_overrides(config))
+    except HydraException:
+        return  # the sweeper says what it cannot parse, a checkpoint.remote refused above
+    fixed = [override.input_line for override in overrides if not override.is_sweep_override()]
+    for override in overrides:
+        if not (override.is_discrete_sweep() and loader.get_group_options(override.key_or_group)):
+            continue
+        for option in override.sweep_string_iterator():
+            job = f"{override.get_key_element()}={option}"
+            try:
+                chosen = loader.load_sweep_config(config, [*fixed, job])
+            except (HydraException, OmegaConfBaseException):
+                continue  # an option that does not compose: its job says so
+            yield from _configured(chosen)
 
 
 def _given(overrides: Iterable[str]) -> Iterator[str]:
