@@ -4,6 +4,7 @@ passes its own suite, lints clean, and trains and resumes its second model from 
 import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,8 +36,7 @@ def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str],
     (past pytest's capture, where pytest runs in one process), so that `make test` never looks
     hung, and kept as `log` in CI's folder (CONTINUUM_CI_DIR, see `stage`); on failure, as `run`."""
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    watchdog = threading.Timer(TIMEOUT_S, process.kill)
-    watchdog.start()
+    watchdog = watched(process)
     output = bytearray()
     folder = os.environ.get("CONTINUUM_CI_DIR")
     kept = open(Path(folder, log), "wb") if folder else contextlib.nullcontext()  # noqa: SIM115
@@ -57,6 +57,23 @@ def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str],
         )
 
 
+def watched(process: subprocess.Popen) -> threading.Timer:
+    """A bound on a suite, started: past TIMEOUT_S it is interrupted as Ctrl-C would, so that pytest
+    names the failures it has seen so far (a killed suite names none), and killed a minute later if
+    it has not ended by then."""
+
+    def interrupt() -> None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+    watchdog = threading.Timer(TIMEOUT_S, interrupt)
+    watchdog.start()
+    return watchdog
+
+
 def run_beside(
     name: str, command: list[str], cwd: Path, folder: Path, log: str
 ) -> Callable[[pytest.CaptureFixture[str]], None]:
@@ -66,8 +83,7 @@ def run_beside(
     path = Path(os.environ.get("CONTINUUM_CI_DIR") or folder, log)
     with open(path, "wb") as output:
         process = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
-    watchdog = threading.Timer(TIMEOUT_S, process.kill)
-    watchdog.start()
+    watchdog = watched(process)
     began = time.monotonic()
 
     def wait(capsys: pytest.CaptureFixture[str]) -> None:
