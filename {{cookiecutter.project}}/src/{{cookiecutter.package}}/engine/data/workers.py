@@ -14,6 +14,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from ..errors import RunError
 from ..signals import SIGNALS
 
 
@@ -23,7 +24,8 @@ class Loader(DataLoader):
     ends them once it collects the reading's iterator; but an error that a worker raised (a shard cut
     short under the run) holds that iterator in its traceback until the process exits, and by then
     torch leaves its workers be and multiprocessing ends them with SIGTERM, which they ignore: the
-    run said its line and never exited."""
+    run said its line and never exited. A RunError a worker raised reaches the run as the line it
+    said, as it would have without workers."""
 
     def __init__(self, dataset: Dataset, **settings: Any) -> None:
         super().__init__(dataset, worker_init_fn=ending_with_this_process(), **settings)
@@ -32,9 +34,21 @@ class Loader(DataLoader):
         reading = super().__iter__()
         try:
             yield from reading
+        except RunError as error:
+            if isinstance(reading, _MultiProcessingDataLoaderIter):
+                error.args = (said_in_a_worker(error),)
+            raise
         finally:
             if isinstance(reading, _MultiProcessingDataLoaderIter):
                 reading._shutdown_workers()
+
+
+def said_in_a_worker(error: RunError) -> str:
+    """What a worker's RunError said. Torch raises it again in the run from one message that holds
+    the worker's whole traceback ("Caught DataError in DataLoader worker process 0. Original
+    Traceback ..."), whose last line is the error's own: `<module>.<class>: <what it said>`."""
+    last = str(error).rstrip().splitlines()[-1]
+    return last.removeprefix(f"{type(error).__module__}.{type(error).__qualname__}: ")
 
 
 def ending_with_this_process() -> partial:
