@@ -328,22 +328,26 @@ def test_a_shard_gone_or_made_a_fifo_under_the_run_is_named_with_the_sample_in_o
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("shard", ["train/data-00001-of-00002.arrow", "validation/data-00000-of-00001.arrow"])
 def test_a_shard_cut_short_under_a_run_with_workers_ends_it_with_its_line_its_checkpoint_and_exit_2(
-    project, folder, save_gate
+    project, folder, save_gate, shard
 ):
     """A worker's refusal ends the run as one process's does: its workers ended with the reading that
-    failed, not left to the exit, where they held the run for good once it had said its line."""
+    failed, not left to the exit, where they held the run for good once it had said its line. A
+    validation worker's too: the training reading, left open by the error, ends with fit, or its
+    workers held the MLflow sender's pipe (its end waited 60 s for them), then the exit, for good."""
     gate = save_gate()  # held at its first save, its two workers reading
     settings = [*MLP[:-1], f"data.dir={folder}", "data.num_workers=2", "trainer.max_steps=100000"]
-    process = start(project, *settings, "checkpoint.every_n_steps=2", env=gate.env)
+    process = start(project, *settings, "checkpoint.every_n_steps=2", "trainer.val_every_n_steps=4", env=gate.env)
     gate.wait(process)
-    os.truncate(folder / "train" / "data-00001-of-00002.arrow", 1000)
+    os.truncate(folder / shard, 1000)
     gate.release()
-    _, stderr = process.communicate(timeout=120)  # seconds once the shard is read again; it never ended
+    stdout, stderr = process.communicate(timeout=120)  # seconds once the shard is read again; it never ended
     said = stderr.strip().splitlines()[-1]
     assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "MLflow is slow" not in stdout + stderr
     newest = (project / "checkpoints" / "arrow-digits" / "latest").read_text().strip()
-    assert said.startswith("error: cannot read sample ") and "data-00001-of-00002.arrow (it is 1000 bytes now" in said
+    assert said.startswith("error: cannot read sample ") and f"{folder / shard} (it is 1000 bytes now" in said
     assert said.endswith(
         f"the newest checkpoint on disk is {project / 'checkpoints' / 'arrow-digits' / newest}; "
         f"continue from it with name=arrow-digits resume=last"

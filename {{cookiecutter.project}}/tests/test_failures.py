@@ -529,3 +529,21 @@ def test_a_refusal_a_data_worker_raises_ends_the_run_in_the_line_it_said_as_with
         f"{flag} says the source was withdrawn; put it back; the newest checkpoint on disk is {newest}; "
         f"continue from it with name={cfg.name} resume=last"
     )
+
+
+LEFT_OPEN_AT_EXIT = """
+import torch
+from torch.utils.data import TensorDataset
+from {{cookiecutter.package}}.engine.data.workers import Loader
+
+reading = iter(Loader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2))
+print(next(reading)[0].tolist(), flush=True)
+"""
+
+
+def test_a_reading_still_open_at_exit_ends_its_workers_and_the_process_exits():
+    """A reading that an error's traceback (or anything else) holds to the end: at exit torch leaves
+    its workers be, and multiprocessing sends them SIGTERM, which they ignore, then waited for them
+    for good. A bounded wait on the process's end."""
+    result = subprocess.run([sys.executable, "-c", LEFT_OPEN_AT_EXIT], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[0, 1, 2, 3, 4, 5, 6, 7]\n", "")

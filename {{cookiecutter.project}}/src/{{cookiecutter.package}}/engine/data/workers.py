@@ -1,12 +1,14 @@
 """The data loaders' worker processes (data.num_workers), which end with the run however it ends: a
 `Loader` is torch's DataLoader whose workers die with the process that started them, and end as soon
-as a reading of the loader does."""
+as a reading of the loader does, or as the process exits."""
 
+import atexit
 import ctypes
 import multiprocessing
 import os
 import signal
 import sys
+import weakref
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -32,6 +34,8 @@ class Loader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         reading = super().__iter__()
+        if isinstance(reading, _MultiProcessingDataLoaderIter):
+            READING.add(reading)
         try:
             yield from reading
         except RunError as error:
@@ -41,6 +45,20 @@ class Loader(DataLoader):
         finally:
             if isinstance(reading, _MultiProcessingDataLoaderIter):
                 reading._shutdown_workers()
+
+
+# The readings whose workers may still run: those of other loaders than the one that failed (the
+# training reading, when a validation's worker refused), which the error's traceback holds until
+# the process exits.
+READING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def end_the_readings_left() -> None:
+    """At exit, before multiprocessing's own end of the workers (atexit runs the last registered
+    first), which sends them SIGTERM, which they ignore, and waits for them for good."""
+    for reading in list(READING):
+        reading._shutdown_workers()
 
 
 def said_in_a_worker(error: RunError) -> str:
