@@ -14,13 +14,13 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import losses, start
-from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data.contract import DataError
 from {{cookiecutter.package}}.engine.data.formats.arrow import arrow_folder
 from {{cookiecutter.package}}.engine.data.formats.manifest import ShardDamaged, fingerprint
 from {{cookiecutter.package}}.engine.data.formats.save_to_disk import MANIFEST, WRITE_BATCH, ArrowShard, described, write_digits
+from {{cookiecutter.package}}.engine.data.workers import Loader
 from {{cookiecutter.package}}.engine.ready.datasets import digits
 
 DESCRIBE = [sys.executable, "-m", "{{cookiecutter.package}}.engine.data.formats.arrow", "describe"]
@@ -295,7 +295,7 @@ def test_a_shard_written_over_under_the_run_is_named_with_the_sample_in_one_line
     assert str(damaged.value).startswith(said)
     last, second = len(data.train) - 1, folder / "train" / "data-00001-of-00002.arrow"
     os.truncate(second, 100)
-    loader = DataLoader(data.train, batch_size=None, sampler=[last - 1, last], num_workers=1)
+    loader = Loader(data.train, batch_size=None, sampler=[last - 1, last], num_workers=1)
     with pytest.raises(ShardDamaged) as damaged:
         list(loader)
     message = str(damaged.value)
@@ -303,22 +303,51 @@ def test_a_shard_written_over_under_the_run_is_named_with_the_sample_in_one_line
     assert "\n" not in message and "Traceback" not in message and "put back the file of sha256" in message
 
 
+def fifo_in_its_place(shard):
+    shard.unlink()
+    os.mkfifo(shard)
+    return "it is a FIFO now"
+
+
+def gone(shard):
+    shard.unlink()
+    return "No such file or directory"
+
+
+@pytest.mark.parametrize("change", [fifo_in_its_place, gone])
+def test_a_shard_gone_or_made_a_fifo_under_the_run_is_named_with_the_sample_in_one_line_never_opened(folder, change):
+    """A shard no reader had opened yet: a FIFO there was opened (which wakes a writer waiting on it)
+    and refused as another file; a shard removed ended the run in FileNotFoundError's traceback."""
+    data = arrow_folder(folder, inputs="pixels", target="label")
+    last, shard = len(data.train) - 1, folder / "train" / "data-00001-of-00002.arrow"
+    said = change(shard)
+    with pytest.raises(ShardDamaged) as damaged:
+        data.train[last]
+    message = str(damaged.value)
+    assert message.startswith(f"cannot read sample {last} from {shard} ({said}; its manifest says")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("shard", ["train/data-00001-of-00002.arrow", "validation/data-00000-of-00001.arrow"])
 def test_a_shard_cut_short_under_a_run_with_workers_ends_it_with_its_line_its_checkpoint_and_exit_2(
-    project, folder, save_gate
+    project, folder, save_gate, shard
 ):
     """A worker's refusal ends the run as one process's does: its workers ended with the reading that
-    failed, not left to the exit, where they held the run for good once it had said its line."""
+    failed, not left to the exit, where they held the run for good once it had said its line. A
+    validation worker's too: the training reading, left open by the error, ends with fit, or its
+    workers held the MLflow sender's pipe (its end waited 60 s for them), then the exit, for good."""
     gate = save_gate()  # held at its first save, its two workers reading
     settings = [*MLP[:-1], f"data.dir={folder}", "data.num_workers=2", "trainer.max_steps=100000"]
-    process = start(project, *settings, "checkpoint.every_n_steps=2", env=gate.env)
+    process = start(project, *settings, "checkpoint.every_n_steps=2", "trainer.val_every_n_steps=4", env=gate.env)
     gate.wait(process)
-    os.truncate(folder / "train" / "data-00001-of-00002.arrow", 1000)
+    os.truncate(folder / shard, 1000)
     gate.release()
-    _, stderr = process.communicate(timeout=120)  # seconds once the shard is read again; it never ended
+    stdout, stderr = process.communicate(timeout=120)  # seconds once the shard is read again; it never ended
     said = stderr.strip().splitlines()[-1]
     assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "MLflow is slow" not in stdout + stderr
     newest = (project / "checkpoints" / "arrow-digits" / "latest").read_text().strip()
-    assert said.startswith("error: cannot read sample ") and "data-00001-of-00002.arrow (it is 1000 bytes now" in said
+    assert said.startswith("error: cannot read sample ") and f"{folder / shard} (it is 1000 bytes now" in said
     assert said.endswith(
         f"the newest checkpoint on disk is {project / 'checkpoints' / 'arrow-digits' / newest}; "
         f"continue from it with name=arrow-digits resume=last"

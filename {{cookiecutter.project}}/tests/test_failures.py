@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hold, losses, signal_pending, wait_for_exit
+from torch.utils.data import Dataset, TensorDataset
 
 from {{cookiecutter.package}}.engine import components
 from {{cookiecutter.package}}.engine import train as recipe
@@ -26,6 +27,7 @@ from {{cookiecutter.package}}.engine.checkpoint.claim import claim
 from {{cookiecutter.package}}.engine.checkpoint.home import NAME
 from {{cookiecutter.package}}.engine.checkpoint.onefile import save
 from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
+from {{cookiecutter.package}}.engine.data import Data, DataError
 from {{cookiecutter.package}}.engine.errors import RunError
 from {{cookiecutter.package}}.engine.files import Checksummed
 
@@ -476,3 +478,72 @@ def test_data_workers_that_a_fork_server_starts_are_not_taken_for_orphans():
     """Their parent is the fork server, not the run."""
     result = subprocess.run([sys.executable, "-c", UNDER_A_FORK_SERVER], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr, result.stdout) == (0, "", "64\n")
+
+
+class Withdrawn(Dataset):
+    """Digit-shaped samples, refused in the data's own words once `flag` exists: a source that the
+    data component finds withdrawn under the run."""
+
+    def __init__(self, flag: Path) -> None:
+        self.flag = Path(flag)
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.flag.exists():
+            raise DataError(f"{self.flag} says the source was withdrawn; put it back")
+        return torch.full((1, 8, 8), index / 64), index % 10
+
+
+def withdrawn_data(flag: str, **_) -> Data:
+    val = TensorDataset(torch.zeros(16, 1, 8, 8), torch.arange(16) % 10)
+    return Data(Withdrawn(flag), val, input_shape=(1, 8, 8), num_classes=10)
+
+
+class Withdrawing:
+    """Withdraws the source after the first validation: the run reads on."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = Path(flag)
+
+    def on_validation_end(self, run, metrics) -> None:
+        self.flag.touch()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_refusal_a_data_worker_raises_ends_the_run_in_the_line_it_said_as_without_workers(
+    make_cfg, tmp_path, checkpoint_dir, workers
+):
+    """Torch raises a worker's error again from a message that holds the worker's traceback: the
+    run's line was that traceback, its line breaks dropped."""
+    flag = tmp_path / "withdrawn"
+    data = [f"data._target_={__name__}.withdrawn_data", f"+data.flag={flag}", f"data.num_workers={workers}"]
+    withdraw = [f"+callbacks.withdraw._target_={__name__}.Withdrawing", f"+callbacks.withdraw.flag={flag}"]
+    every_2 = ["trainer.val_every_n_steps=2", "checkpoint.every_n_steps=2"]
+    cfg = make_cfg(*data, *withdraw, *every_2, "data.batch_size=8", "trainer.max_steps=40", QUIET)
+    with pytest.raises(DataError) as refused:
+        recipe.train(cfg)
+    newest = sorted(checkpoint_dir.glob("step_*"))[-1]
+    assert str(refused.value) == (
+        f"{flag} says the source was withdrawn; put it back; the newest checkpoint on disk is {newest}; "
+        f"continue from it with name={cfg.name} resume=last"
+    )
+
+
+LEFT_OPEN_AT_EXIT = """
+import torch
+from torch.utils.data import TensorDataset
+from {{cookiecutter.package}}.engine.data.workers import Loader
+
+reading = iter(Loader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2))
+print(next(reading)[0].tolist(), flush=True)
+"""
+
+
+def test_a_reading_still_open_at_exit_ends_its_workers_and_the_process_exits():
+    """A reading that an error's traceback (or anything else) holds to the end: at exit torch leaves
+    its workers be, and multiprocessing sends them SIGTERM, which they ignore, then waited for them
+    for good. A bounded wait on the process's end."""
+    result = subprocess.run([sys.executable, "-c", LEFT_OPEN_AT_EXIT], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[0, 1, 2, 3, 4, 5, 6, 7]\n", "")

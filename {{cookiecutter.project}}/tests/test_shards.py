@@ -10,12 +10,12 @@ import sys
 import numpy
 import pytest
 from conftest import losses
-from torch.utils.data import DataLoader
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data.contract import DataError
 from {{cookiecutter.package}}.engine.data.formats.manifest import ShardDamaged, fingerprint
 from {{cookiecutter.package}}.engine.data.formats.shards import MANIFEST, Shard, described, token_shards, write
+from {{cookiecutter.package}}.engine.data.workers import Loader
 
 # 4 shards of about 2,400 byte tokens: 3 to train on, about 38 windows of 64 each.
 GPT = ["experiment=token_gpt", "data.batch_size=8", "model.width=32", "model.depth=1", "trainer.max_steps=4"]
@@ -205,12 +205,38 @@ def test_a_shard_truncated_under_the_run_is_named_with_the_sample_in_one_line_fr
     data = token_shards(shards, block_size=64)
     last = len(data.train) - 1
     os.truncate(shards / "shard_00002.bin", 100)
-    loader = DataLoader(data.train, batch_size=None, sampler=[0, last], num_workers=1)
+    loader = Loader(data.train, batch_size=None, sampler=[0, last], num_workers=1)
     with pytest.raises(ShardDamaged) as damaged:
         list(loader)
     message = str(damaged.value)
     assert message.startswith(f"cannot read sample {last} from {shards / 'shard_00002.bin'} (it is 100 bytes now;")
     assert "\n" not in message and "Traceback" not in message
+
+
+def made_a_fifo(shard):
+    shard.unlink()
+    os.mkfifo(shard)
+    return "it is a FIFO now"
+
+
+def removed(shard):
+    shard.unlink()
+    return "No such file or directory"
+
+
+@pytest.mark.parametrize("change", [made_a_fifo, removed])
+def test_a_shard_gone_or_made_a_fifo_under_the_run_is_named_with_the_sample_in_one_line_never_opened(shards, change):
+    """A shard no reader had opened yet: a FIFO there failed its first read ("Illegal seek"), opened
+    first (which wakes a writer waiting on it); a shard removed ended the run in FileNotFoundError's
+    traceback."""
+    data = token_shards(shards, block_size=64)
+    last, shard = len(data.train) - 1, shards / "shard_00002.bin"
+    said = change(shard)
+    with pytest.raises(ShardDamaged) as damaged:
+        data.train[last]
+    message = str(damaged.value)
+    assert message.startswith(f"cannot read sample {last} from {shard} ({said}; its manifest says")
+    assert "\n" not in message
 
 
 class Truncating:

@@ -135,16 +135,24 @@ class NotRegular(OSError):
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading, unless it is not a regular file: reading a FIFO waits for a writer
-    that may never come, and a device (`/dev/zero`) never ends. Opened without blocking, so a FIFO
-    is seen for what it is before anything waits on it. A link is followed to what it names."""
+    """`path` opened for reading, unless it is not a regular file (`regular_descriptor`)."""
+    return os.fdopen(regular_descriptor(path), "rb")
+
+
+def regular_descriptor(path: Path) -> int:
+    """A descriptor of `path` for reading, unless it is not a regular file (NotRegular): reading a
+    FIFO waits for a writer that may never come, and a device (`/dev/zero`) never ends. Its stat
+    comes first, so a FIFO is never opened (the open alone would wake a writer waiting on it); the
+    open does not block, and what it opened is checked again, for a FIFO put there in between. A
+    link is followed to what it names."""
+    stat_regular(path)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(descriptor).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegular(path, kind(mode))
         os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "rb")
+        return descriptor
     except BaseException:
         os.close(descriptor)
         raise

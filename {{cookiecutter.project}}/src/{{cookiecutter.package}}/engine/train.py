@@ -8,6 +8,7 @@ one is how the failures this project exists to prevent come back.
 
 import logging
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -294,6 +295,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption, stop: Calla
     loader = build_loader(
         run.data.train, run.cfg.data, run.cfg.device, run.cfg.seed, run.world, trainer.grad_accum_steps
     )
+    # Closed as fit ends, however it ends: an open reading's workers hold the exit (data/workers.py).
     stream = batches(loader, run.position)
     divergence = Divergence(trainer, scaled=run.scaler.is_enabled())
     meter, loss, first, lost = Throughput(run.task.unit), None, run.step, None
@@ -302,7 +304,7 @@ def fit(run: Run, checkpoints: Checkpointer, preemption: Preemption, stop: Calla
     run.clock.training(run.step)
     if run.monitor.owed is not None:  # a stop cut this step's validation short: done first, as the unbroken run did
         validate(run, run.monitor.owed[1], stop, judged=scheduled(trainer, run.step))
-    with Progress(trainer, run.step, main=run.world.is_main) as progress:
+    with Progress(trainer, run.step, main=run.world.is_main) as progress, closing(stream):
         while run.step < trainer.max_steps and not run.monitor.stopped and not preemption.agreed(run.world, lost):
             micro_batches = [next(stream) for _ in range(trainer.grad_accum_steps)]
             loss, grad_norm, counted = train_step(run, micro_batches)

@@ -8,6 +8,7 @@ own.
 """
 
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -204,12 +205,12 @@ def in_step(
             f"this process's share of the validation set is empty, and under strategy={run.cfg.strategy.type} "
             f"every process takes part in each forward; give validation at least {run.world.size} samples"
         )
-    batches = iter(loader)
-    for index in range(rounds):
-        if stop is not None and stop():
-            raise Abandoned
-        if index < mine:
-            batch = next(batches)
-            yield batch, True
-        elif collective:
-            yield batch, False
+    with closing(iter(loader)) as batches:  # its workers end with it, however it ends (data/workers.py)
+        for index in range(rounds):
+            if stop is not None and stop():
+                raise Abandoned
+            if index < mine:
+                batch = next(batches)
+                yield batch, True
+            elif collective:
+                yield batch, False

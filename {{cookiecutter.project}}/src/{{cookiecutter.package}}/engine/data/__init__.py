@@ -7,7 +7,8 @@ run sees exactly the batches an unbroken run would have seen.
 - order.py: the order of an epoch, a pure function of the seed, never listed whole.
 - streams.py: training data that is a stream, read in order over processes and workers.
 - loaders.py: the sampler and the loaders, for training and validation.
-- workers.py: the loaders' worker processes, which end with the run however it ends.
+- workers.py: the loaders' worker processes, which end with the run however it ends, and whose
+  refusals reach it as they said them.
 - formats/: datasets read from disk and checked against a manifest: token shards, Arrow shards.
 
 What your data components import is here: `from <package>.engine.data import Data, read_file`.

@@ -37,7 +37,8 @@ class Data:
 class DataError(RunError):
     """A problem with the data that the person running the job can fix (a shard changed since the
     checkpoint, a file damaged under the run), raised by a data component at build, at a resume or
-    mid-run, and said in one line without a traceback: a ValueError is one only at build time."""
+    mid-run (in a loader worker too: workers.py), and said in one line without a traceback: a
+    ValueError is one only at build time."""
 
 
 def read_file(path: Path) -> bytes:

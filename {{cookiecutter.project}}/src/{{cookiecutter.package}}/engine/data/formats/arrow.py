@@ -26,7 +26,6 @@ The digits as such a folder (a DatasetDict of train and validation), no download
 import argparse
 import bisect
 import math
-import mmap
 import os
 from pathlib import Path
 
@@ -37,7 +36,18 @@ from torch.utils.data import Dataset
 
 from ..contract import Data, DataError
 from .manifest import CheckedShards
-from .save_to_disk import ArrowShard, Saved, checked, dataset_dict, described, is_list, numbers, storage, write_digits
+from .save_to_disk import (
+    ArrowShard,
+    Saved,
+    checked,
+    dataset_dict,
+    described,
+    is_list,
+    mapped,
+    numbers,
+    storage,
+    write_digits,
+)
 
 
 def arrow_folder(
@@ -268,13 +278,11 @@ class ArrowRows(CheckedShards, Dataset):
         layouts; the file checked to be the one the start's stat found."""
         if number not in self._open:
             shard = self.shards[number]
-            # Without blocking: a FIFO put there under the run is then refused by its stat, not waited on.
-            descriptor = os.open(self.folder / shard.file, os.O_RDONLY | os.O_NONBLOCK)
+            descriptor = self.opened(shard, index)
             try:
-                found = os.fstat(descriptor)
-                if changed := since(found, self.seen[number]):
+                if changed := since(os.fstat(descriptor), self.seen[number]):
                     raise self.damaged(shard, index, changed)
-                starts, plans = layout(descriptor, found.st_size, self.names)
+                starts, plans = layout(descriptor, self.names)
             except (pa.ArrowException, ValueError, KeyError) as error:
                 os.close(descriptor)
                 raise self.damaged(shard, index, f"no Arrow stream of these columns: {error}") from None
@@ -302,12 +310,11 @@ def since(found: os.stat_result, seen: tuple[int, int, int]) -> str:
     return ""
 
 
-def layout(descriptor: int, size: int, names: list[str]) -> tuple[list[int], list[list]]:
+def layout(descriptor: int, names: list[str]) -> tuple[list[int], list[list]]:
     """Where the columns `names` of each record batch lie in the file: read from its headers through
     a memory map, whose pages of data are never touched. Per column, the levels of lists down to the
     numbers (a fixed-size list's size, or where a list's offsets are) and where the numbers are."""
-    # Unmapped as this returns, once no buffer of pyarrow's holds it: only offsets are kept.
-    whole = pa.py_buffer(mmap.mmap(descriptor, size, prot=mmap.PROT_READ))
+    whole = mapped(descriptor)  # unmapped as this returns: only offsets are kept
     starts, plans = [0], []
     for batch in pa.ipc.open_stream(whole):
         if batch.num_rows:

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, get_type_hints
 
-from ...files import NotRegular, open_regular, stat_regular
+from ...files import NotRegular, open_regular, regular_descriptor, stat_regular
 from ..contract import DataError
 
 log = logging.getLogger(__name__)
@@ -138,12 +138,7 @@ def written(folder: Path, name: str, shards: list[Any], **facts: Any) -> dict:
 
 
 class ShardDamaged(DataError):
-    """A shard that could not be read mid-run. Raised in a loader worker, it reaches the run as torch
-    rebuilds it, from a message that holds the worker's traceback: only its last line is kept."""
-
-    def __init__(self, message: str) -> None:
-        prefix = f"{type(self).__module__}.{type(self).__qualname__}: "
-        super().__init__(message.rstrip().splitlines()[-1].removeprefix(prefix))
+    """A shard that could not be read mid-run (in a loader worker too: workers.py)."""
 
 
 class CheckedShards:
@@ -155,6 +150,16 @@ class CheckedShards:
     shards: list[Shard]
     fingerprint: str
     accept_changed: bool
+
+    def opened(self, shard: Shard, index: int) -> int:
+        """A descriptor of `shard`, for sample `index`; else the line that names it: a shard gone,
+        unreadable, or no regular file under the run (a FIFO put there is never opened)."""
+        try:
+            return regular_descriptor(self.folder / shard.file)
+        except NotRegular as refused:
+            raise self.damaged(shard, index, f"it is {refused.what} now") from None
+        except OSError as error:
+            raise self.damaged(shard, index, error.strerror or type(error).__name__) from None
 
     def damaged(self, shard: Shard, index: int, what: str) -> ShardDamaged:
         return ShardDamaged(

@@ -6,6 +6,7 @@ and checked at each start, and a folder of the digits written as `datasets` woul
 """
 
 import json
+import mmap
 import os
 import shlex
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from ...files import regular_descriptor
 from ...ready.datasets import SPLIT_SEED, read_digits
 from ..contract import DataError
 from .manifest import hashed, loaded, matched, regular, written
@@ -144,17 +146,23 @@ def described(root: Path) -> dict[Path, dict]:
 def surveyed(path: Path) -> tuple[int, dict[str, dict]]:
     """The rows of the Arrow stream `path`, and the facts of its columns (`survey`)."""
     rows, columns = 0, {}
+    descriptor = regular_descriptor(path)
     try:
-        with pa.memory_map(str(path)) as source:
-            for batch in pa.ipc.open_stream(source):
-                rows += batch.num_rows
-                for name, facts in (
-                    (name, survey(batch.column(name))) for name in batch.schema.names if batch.num_rows
-                ):
-                    columns[name] = merged(columns[name], facts) if name in columns else facts
+        for batch in pa.ipc.open_stream(mapped(descriptor)):
+            rows += batch.num_rows
+            for name, facts in ((name, survey(batch.column(name))) for name in batch.schema.names if batch.num_rows):
+                columns[name] = merged(columns[name], facts) if name in columns else facts
     except pa.ArrowException as error:
         raise DataError(f"{path} is no Arrow stream ({error}); save the dataset again with save_to_disk") from None
+    finally:
+        os.close(descriptor)
     return rows, columns
+
+
+def mapped(descriptor: int) -> pa.Buffer:
+    """The file `descriptor` as one buffer, mapped, not read; unmapped once no buffer of pyarrow's holds it."""
+    size = os.fstat(descriptor).st_size
+    return pa.py_buffer(mmap.mmap(descriptor, size, prot=mmap.PROT_READ) if size else b"")
 
 
 def survey(array: pa.Array) -> dict:

@@ -104,18 +104,17 @@ class TokenWindows(CheckedShards, Dataset):
         size = (self.block_size + 1) * itemsize
         offset = (index - int(self.starts[number])) * self.block_size * itemsize
         try:
-            read = os.pread(self._file(number), size, offset)
+            read = os.pread(self._file(number, index), size, offset)
         except OSError as error:
             raise self.damaged(shard, index, error.strerror or type(error).__name__) from None
         if len(read) < size:
-            raise self.damaged(shard, index, f"it is {os.fstat(self._file(number)).st_size} bytes now")
+            raise self.damaged(shard, index, f"it is {os.fstat(self._file(number, index)).st_size} bytes now")
         window = torch.from_numpy(np.frombuffer(read, dtype=DTYPES[shard.dtype]).astype(np.int64))
         return window[:-1], window[1:]
 
-    def _file(self, number: int) -> int:
+    def _file(self, number: int, index: int) -> int:
         if number not in self._files:
-            # Without blocking: a FIFO put there under the run then fails its first read, not waits on a writer.
-            self._files[number] = os.open(self.folder / self.shards[number].file, os.O_RDONLY | os.O_NONBLOCK)
+            self._files[number] = self.opened(self.shards[number], index)
         return self._files[number]
 
     def __getstate__(self) -> dict:
