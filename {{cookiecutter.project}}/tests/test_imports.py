@@ -89,9 +89,9 @@ def test_no_module_of_the_package_imports_itself_back():
 def public(edges: dict[str, set[str]]) -> set[str]:
     """What your side (every module beside engine/) may take from the engine: the type a data
     component returns and how it reads a file (data.read_file, and the safe reads of files.py, the
-    engine's foundation), and the ready components."""
+    engine's foundation), the ready components, and the data formats' readers (data options too)."""
     foundation = {ENGINE, f"{ENGINE}.data", f"{ENGINE}.files"}
-    return foundation | {module for module in edges if module.startswith(READY)}
+    return foundation | {module for module in edges if module.startswith((READY, f"{ENGINE}.data.formats"))}
 
 
 def test_the_engine_imports_none_of_your_modules_and_they_need_only_its_public_part():

@@ -13,6 +13,10 @@ from .. import components
 from ..errors import RunError
 from ..files import NotRegular, read_regular
 
+# The split belongs to the dataset, not to the run: changing `seed` must not move samples between
+# training and validation. The ready datasets draw theirs with this seed.
+SPLIT_SEED = 0
+
 
 class Data:
     """What a `data` component returns: the datasets, and facts about them that the other

@@ -9,20 +9,14 @@ tuples of tensors; the task (tasks.py) says what a batch holds. The runner's loa
 decides their order, and resumes it mid-epoch.
 """
 
-import gzip
-import importlib.util
 import sysconfig
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..data import Data, read_file
-
-# The split belongs to the dataset, not to the run: changing `seed` must not move samples
-# between training and validation.
-SPLIT_SEED = 0
+from ..data import SPLIT_SEED, Data, read_file
+from ..data.formats.digits import read_digits
 
 
 def digits(val_fraction: float, test_fraction: float = 0.0) -> Data:
@@ -52,20 +46,6 @@ def digits(val_fraction: float, test_fraction: float = 0.0) -> Data:
         input_shape=tuple(images.shape[1:]),
         num_classes=int(targets.max()) + 1,
     )
-
-
-def read_digits() -> np.ndarray:
-    """The digits as scikit-learn ships them: a row per image, 64 pixels and then the label. Read
-    from its file directly: importing sklearn.datasets to read it would add 1.5 s to every start."""
-    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
-    if path is None or not path.is_file():  # a scikit-learn that keeps it elsewhere: ask it
-        from sklearn.datasets import load_digits
-
-        images, labels = load_digits(return_X_y=True)
-        return np.column_stack([images, labels])
-    with gzip.open(path) as file:
-        return np.loadtxt(file, delimiter=",")
 
 
 # The characters a character-level model reads: tab, newline and printable ASCII; any other

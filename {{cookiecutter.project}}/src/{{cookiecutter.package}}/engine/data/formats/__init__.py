@@ -5,4 +5,5 @@ its folder's manifest before anything trains; the `data` options token_shards an
 - shards.py: token shards as nanoGPT and Megatron write them; `python -m ... shards write`.
 - arrow.py: Arrow shards of Hugging Face `datasets`; `python -m ... arrow describe`.
 - save_to_disk.py: the folder layout of `datasets`' `save_to_disk`, which arrow.py reads.
+- digits.py: scikit-learn's digits file, read by the ready `digits` and arrow's `write-digits`.
 """

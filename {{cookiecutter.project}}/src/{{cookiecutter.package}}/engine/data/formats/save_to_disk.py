@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 import torch
 
 from ...files import regular_descriptor
-from ...ready.datasets import SPLIT_SEED, read_digits
-from ..contract import DataError
+from ..contract import SPLIT_SEED, DataError
+from .digits import read_digits
 from .manifest import hashed, loaded, matched, regular, written
 from .shards import building
 
