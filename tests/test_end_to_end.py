@@ -78,18 +78,19 @@ def run_beside(
     name: str, command: list[str], cwd: Path, folder: Path, log: str
 ) -> Callable[[pytest.CaptureFixture[str]], None]:
     """Starts `command` now, its output going to `log` (in CI's folder, else in `folder`); returns
-    the wait for its end, which shows that output, times it as the stage `name` from now, and
-    fails as `run` does."""
+    the wait for its end, which shows that output and fails as `run` does. It is timed as the stage
+    `name` from now to its own end, not to the wait's."""
     path = Path(os.environ.get("CONTINUUM_CI_DIR") or folder, log)
     with open(path, "wb") as output:
         process = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
     watchdog = watched(process)
     began = time.monotonic()
+    timed = threading.Thread(target=lambda: (process.wait(), record_stage(name, began)))
+    timed.start()
 
     def wait(capsys: pytest.CaptureFixture[str]) -> None:
-        process.wait()
+        timed.join()
         watchdog.cancel()
-        record_stage(name, began)
         shown = path.read_text(errors="replace")
         with capsys.disabled():
             print(f"\n`{' '.join(command[1:])}` in the bake, beside the rest:\n{shown}", flush=True)
