@@ -503,3 +503,16 @@ def bucket(s3_env) -> tuple[str, object]:
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket=name)
     return f"s3://{name}/runs", s3
+
+
+def made_a_fifo(shard: Path) -> str:
+    """A data file replaced by a FIFO under a run; returns what the refusal of it names."""
+    shard.unlink()
+    os.mkfifo(shard)
+    return "it is a FIFO now"
+
+
+def unlinked(shard: Path) -> str:
+    """A data file removed under a run; returns what the refusal of it names."""
+    shard.unlink()
+    return "No such file or directory"

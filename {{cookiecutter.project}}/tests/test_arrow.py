@@ -13,7 +13,7 @@ import numpy
 import pyarrow as pa
 import pytest
 import torch
-from conftest import losses, start
+from conftest import losses, made_a_fifo, start, unlinked
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data.contract import DataError
@@ -303,18 +303,7 @@ def test_a_shard_written_over_under_the_run_is_named_with_the_sample_in_one_line
     assert "\n" not in message and "Traceback" not in message and "put back the file of sha256" in message
 
 
-def fifo_in_its_place(shard):
-    shard.unlink()
-    os.mkfifo(shard)
-    return "it is a FIFO now"
-
-
-def gone(shard):
-    shard.unlink()
-    return "No such file or directory"
-
-
-@pytest.mark.parametrize("change", [fifo_in_its_place, gone])
+@pytest.mark.parametrize("change", [made_a_fifo, unlinked])
 def test_a_shard_gone_or_made_a_fifo_under_the_run_is_named_with_the_sample_in_one_line_never_opened(folder, change):
     """A shard no reader had opened yet: a FIFO there was opened (which wakes a writer waiting on it)
     and refused as another file; a shard removed ended the run in FileNotFoundError's traceback."""

@@ -9,7 +9,7 @@ import sys
 
 import numpy
 import pytest
-from conftest import losses
+from conftest import losses, made_a_fifo, unlinked
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data.contract import DataError
@@ -213,18 +213,7 @@ def test_a_shard_truncated_under_the_run_is_named_with_the_sample_in_one_line_fr
     assert "\n" not in message and "Traceback" not in message
 
 
-def made_a_fifo(shard):
-    shard.unlink()
-    os.mkfifo(shard)
-    return "it is a FIFO now"
-
-
-def removed(shard):
-    shard.unlink()
-    return "No such file or directory"
-
-
-@pytest.mark.parametrize("change", [made_a_fifo, removed])
+@pytest.mark.parametrize("change", [made_a_fifo, unlinked])
 def test_a_shard_gone_or_made_a_fifo_under_the_run_is_named_with_the_sample_in_one_line_never_opened(shards, change):
     """A shard no reader had opened yet: a FIFO there failed its first read ("Illegal seek"), opened
     first (which wakes a writer waiting on it); a shard removed ended the run in FileNotFoundError's
