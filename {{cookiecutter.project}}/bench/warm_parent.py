@@ -1,6 +1,8 @@
 """What the tests' warm parent (tests/warm_parent.py) saves a test that starts a run: the run forked
 from a process that has imported torch, Hydra, MLflow's store and the engine, against the same run
-in a new interpreter, as a test without it would start it.
+in a new interpreter, as a test without it would start it; and forked into a folder whose MLflow
+store is made already, as the tests' `project` fixture copies one (conftest.blank_store), against one
+whose run makes it (MLflow's migrations).
 
 Starts `python run.py trainer.max_steps=1` (the defaults: MLflow on, its sender a process of its
 own, a checkpoint) `--runs` times each way, alternating, and prints each way's median wall seconds
@@ -13,6 +15,7 @@ reaper collects, our own for a new interpreter, the warm parent's for a fork), a
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,9 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlflow import MlflowClient
+
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT / "tests"))
 from warm_parent import WarmParent, WarmPopen  # noqa: E402 (the tests' module, beside this folder)
+
+WAYS = ("new interpreter", "forked", "forked, store made")
 
 
 def reaped_cpu_s(pid: int | None) -> float:
@@ -34,8 +41,12 @@ def reaped_cpu_s(pid: int | None) -> float:
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
 
 
-def one_run(start, reaper: int | None, folder: Path) -> tuple[float, float]:
-    """Wall and CPU seconds of one run, started by `start(command)`, in a folder of its own."""
+def one_run(start, reaper: int | None, folder: Path, store: Path | None) -> tuple[float, float]:
+    """Wall and CPU seconds of one run, started by `start(command)`, in a folder of its own, where
+    `store` (if any) is copied as its mlflow.db first."""
+    folder.mkdir()
+    if store is not None:
+        shutil.copy(store, folder / "mlflow.db")
     command = [sys.executable, "run.py", "trainer.max_steps=1", f"checkpoint.dir={folder}/checkpoints"]
     command += [f"mlflow.tracking_uri=sqlite:///{folder}/mlflow.db", f"hydra.run.dir={folder}/outputs"]
     cpu, began = reaped_cpu_s(reaper), time.monotonic()
@@ -54,23 +65,25 @@ def main() -> None:
     began = time.monotonic()
     parent = WarmParent()
     print(f"the warm parent's start (once per pytest worker): {time.monotonic() - began:.1f} s wall")
-    ways = {
-        "new interpreter": (lambda command: subprocess.Popen(command, **quiet), None),
-        "forked": (lambda command: WarmPopen(parent, command, **quiet), parent.process.pid),
-    }
-    taken: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
+    cold = (lambda command: subprocess.Popen(command, **quiet), None)
+    forked = (lambda command: WarmPopen(parent, command, **quiet), parent.process.pid)
+    taken: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     try:
         with tempfile.TemporaryDirectory() as scratch:
+            store = Path(scratch, "mlflow.db")
+            MlflowClient(tracking_uri=f"sqlite:///{store}").search_experiments()
+            ways = {WAYS[0]: (*cold, None), WAYS[1]: (*forked, None), WAYS[2]: (*forked, store)}
             for number in range(args.runs):
-                for way, (start, reaper) in ways.items():
-                    taken[way].append(one_run(start, reaper, Path(scratch, f"{way}-{number}")))
+                for index, (way, (start, reaper, made)) in enumerate(ways.items()):
+                    taken[way].append(one_run(start, reaper, Path(scratch, f"{index}-{number}"), made))
     finally:
         parent.stop()
     medians = {way: [statistics.median(column) for column in zip(*runs, strict=True)] for way, runs in taken.items()}
     for way, (wall, cpu) in medians.items():
-        print(f"{way:>16}: {wall:5.2f} s wall, {cpu:5.2f} CPU-s (median of {args.runs})")
-    (cold_wall, cold_cpu), (warm_wall, warm_cpu) = medians.values()
+        print(f"{way:>24}: {wall:5.2f} s wall, {cpu:5.2f} CPU-s (median of {args.runs})")
+    (cold_wall, cold_cpu), (warm_wall, warm_cpu), (made_wall, made_cpu) = medians.values()
     print(f"forked / new interpreter: {warm_wall / cold_wall:.2f}x wall, {warm_cpu / cold_cpu:.2f}x CPU")
+    print(f"forked, store made / forked: {made_wall / warm_wall:.2f}x wall, {made_cpu / warm_cpu:.2f}x CPU")
 
 
 if __name__ == "__main__":

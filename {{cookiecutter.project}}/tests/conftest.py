@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     subprocess (the `project` fixture: each pays a fresh interpreter's start-up). `-m` picks tests
     by mark; the SLURM tier runs only with `-m slurm`. A test file you add is in the daily loop."""
     for item in items:
-        if "project" in item.fixturenames:
+        if {"project", "bare_project"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
     # The SLURM tier starts a cluster's daemons as root: only when asked for by name (-m slurm).
     if "slurm" not in config.option.markexpr:
@@ -179,17 +179,35 @@ def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[i
     return by_step
 
 
+@pytest.fixture(scope="session")
+def blank_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow store whose tables are made, once a pytest process: a run that makes its own store
+    spends a second of CPU on MLflow's migrations, which a test's copy of the project skips."""
+    database = tmp_path_factory.mktemp("blank-store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{database}").search_experiments()
+    return database
+
+
 @pytest.fixture
-def project(tmp_path: Path) -> Path:
+def project(tmp_path: Path, blank_store: Path) -> Path:
+    return copy_project(tmp_path, blank_store)
+
+
+@pytest.fixture
+def bare_project(tmp_path: Path) -> Path:
+    """A project as the template makes it, no MLflow store in it: for a test of the store's making."""
     return copy_project(tmp_path)
 
 
-def copy_project(folder: Path) -> Path:
+def copy_project(folder: Path, store: Path | None = None) -> Path:
     """run.py, eval.py, export.py and configs/ copied to `folder`: `python run.py` there keeps its
-    default paths (mlflow.db, checkpoints/) out of the real project."""
+    default paths (mlflow.db, checkpoints/) out of the real project; `store`, a blank MLflow store
+    copied as its mlflow.db, saves the first run the store's making."""
     for script in ("run.py", "eval.py", "export.py"):
         shutil.copy(PROJECT / script, folder / script)
     shutil.copytree(PROJECT / "configs", folder / "configs")
+    if store is not None:
+        shutil.copy(store, folder / "mlflow.db")
     return folder
 
 

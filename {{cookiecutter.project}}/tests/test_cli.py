@@ -25,7 +25,8 @@ from {{cookiecutter.package}}.engine.checkpoint.resume import load, newest_valid
 pytestmark = pytest.mark.slow
 
 
-def test_the_default_demo_trains_and_logs_to_the_project_store(project):
+def test_the_default_demo_trains_and_logs_to_the_project_store(bare_project):
+    project = bare_project  # the first run makes the store
     result = run_cli(project)
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
@@ -247,7 +248,8 @@ def test_a_second_run_with_the_same_name_stops_at_once_and_the_first_keeps_its_c
         ("mlflow.tracking_uri=file:///tmp/mlruns", "error: mlflow.tracking_uri=file:///tmp/mlruns is a file store"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2_before_any_training(project, override, message):
+def test_bad_input_is_one_line_and_exit_2_before_any_training(bare_project, override, message):
+    project = bare_project  # a refused run makes no store
     result = run_cli(project, "device=cpu", override)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()

@@ -180,9 +180,10 @@ def test_a_url_of_no_store_is_refused_in_one_line_and_never_becomes_a_local_fold
 @pytest.mark.parametrize(
     "url", ["ｓ3://bkt/runs", "ｓ3:/bkt/runs", "file:runs", "//{here}/runs", "file:////{here}/runs"]
 )
-def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_one_line(project, url):
+def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_one_line(bare_project, url):
     """Each was a folder the run mirrored into without a word: `./ｓ3:/bkt/runs`, `./runs`, and
     `<project>/runs` for a share's `//<host>/...` (here the project's path, which Linux reads so)."""
+    project = bare_project  # a refused run writes nothing, a store neither
     url = url.format(here=str(project).lstrip("/"))
     refused = run_cli(project, "device=cpu", "trainer.max_steps=2", f"checkpoint.remote={url}")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
@@ -213,10 +214,10 @@ def test_a_run_given_a_url_that_would_be_a_folder_on_its_own_disk_is_refused_in_
     ids=["run", "eval", "export", "sweep", "fragment", "sweep-fragment", "chain", "cfg"]
     + ["package", "slash", "plus-slash", "plus-package", "tilde-slash", "sweeper-param", "sweeper-params"],
 )
-def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(project, command):
+def test_a_typed_url_with_a_credential_is_refused_before_hydra_prints_or_writes_the_command_line(bare_project, command):
     script, *overrides = command
-    refused = run_cli(project, *overrides, script=script)
-    assert_refused_without_a_trace(refused, project)
+    refused = run_cli(bare_project, *overrides, script=script)
+    assert_refused_without_a_trace(refused, bare_project)
 
 
 def assert_refused_without_a_trace(refused: subprocess.CompletedProcess, project: Path) -> None:
@@ -239,10 +240,11 @@ KEYED = f"s3://bkt/a,s3://AKIAEXAMPLE:{SECRET}@bkt/b"
 
 
 @pytest.mark.parametrize("where", ["experiment", "config.yaml", "config.yaml, not a sweep"])
-def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_or_writes_it(project, where):
+def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_or_writes_it(bare_project, where):
     """`hydra.sweeper.params`, in an experiment or the project's config.yaml: the launcher prints each
     job's overrides and writes them to multirun.yaml and the job's .hydra/; a run that is no sweep
     writes them to .hydra/hydra.yaml."""
+    project = bare_project  # a refused run writes nothing, a store neither
     params = f"  sweeper:\n    params:\n      checkpoint.remote: {KEYED}\n"
     if where == "experiment":
         (project / "configs" / "experiment" / "keyed.yaml").write_text(f"# @package _global_\nhydra:\n{params}")
@@ -263,9 +265,12 @@ def test_a_keyed_url_a_config_lists_for_a_sweep_is_refused_before_hydra_prints_o
     ],
     ids=["typed-group", "typed-experiment", "sweeper-params-group"],
 )
-def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writes_its_config(project, where, swept):
+def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writes_its_config(
+    bare_project, where, swept
+):
     """A sweep over a config group composes each job's config in the job, which writes it whole to
     its .hydra/ (config.yaml, hydra.yaml) before it starts: the job refused the URL, the file held it."""
+    project = bare_project  # a refused run writes nothing, a store neither
     option = project / "configs" / where
     option.parent.mkdir(exist_ok=True)
     if where.startswith("experiment"):
@@ -283,6 +288,7 @@ def test_a_keyed_url_in_an_option_a_sweep_chooses_is_refused_before_any_job_writ
 # --- the store ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_call_to_a_server_that_stopped_answering_fails_within_its_deadline_and_works_once_it_answers(
     bucket, s3_server
 ):
@@ -340,7 +346,8 @@ def test_a_copy_into_a_mounted_folder_that_fails_midway_leaves_nothing_under_its
 # --- the mirror ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["s3", "folder"])
+# The S3 case in the all tier: the daily loop runs each test's logic on a mounted folder.
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "folder"])
 def remote(request, tmp_path) -> str:
     """The remote folder: a bucket's, or a mounted folder's path."""
     if request.param == "folder":
@@ -420,6 +427,7 @@ def test_retention_of_folder_checkpoints_in_a_mounted_folder_leaves_no_empty_fol
     assert sorted(path.name for path in (mounted / RUN / "step_00000030").iterdir()) == ["__0_0.distcp", "state.pt"]
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_while_the_store_is_down_training_saves_on_local_copies_wait_and_the_uploads_arrive_after(
     bucket, s3_server, tmp_path, caplog
 ):
@@ -450,6 +458,7 @@ def test_while_the_store_is_down_training_saves_on_local_copies_wait_and_the_upl
     assert warned.count(crowded) == 1 and outages and len(warned) == 1 + len(outages), warned
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_stop_with_the_store_down_waits_only_its_bound_and_says_what_is_not_remote(bucket, s3_server, tmp_path):
     remote, _ = bucket
     home, store = tmp_path / "home", Store(remote, deadline_s=30)
@@ -647,6 +656,7 @@ def test_a_newer_remote_checkpoint_whose_objects_are_gone_is_set_aside_once_and_
     ]
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_newer_remote_checkpoint_the_store_will_not_copy_is_set_aside_once_without_it_and_the_uploads_go_on(
     bucket, tmp_path, caplog
 ):
@@ -869,6 +879,7 @@ def test_a_disk_with_room_for_the_newest_checkpoint_but_not_best_keeps_neither_a
     assert_fetched_whole(home, remote, ["step_00000010.pt", "step_00000030.pt"])
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_store_that_stops_answering_once_a_fetch_has_its_checkpoint_leaves_none_of_it(
     bucket, s3_server, tmp_path, monkeypatch
 ):
@@ -932,6 +943,7 @@ def test_a_wait_or_lease_out_of_range_is_refused_in_one_line_before_the_store_is
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_mounted_folder_is_held_by_its_lock_and_is_never_the_home_itself(tmp_path):
     mounted = tmp_path / "mounted"
     holder = hold(mounted / RUN)
@@ -967,6 +979,7 @@ def test_a_manifest_from_elsewhere_is_read_as_data():
 # --- one machine at a time ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_second_machine_is_refused_naming_the_first_and_takes_over_once_its_lease_ran_out(bucket, tmp_path, caplog):
     remote, _ = bucket
     store = store_of(remote)
@@ -1029,6 +1042,7 @@ def test_a_holder_of_this_host_name_on_another_machine_or_container_is_not_taken
     assert claim_of(s3, remote)["leg"] == "b"
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_renewal_that_landed_though_its_answer_never_came_is_no_lost_claim(bucket, tmp_path):
     remote, s3 = bucket
     claimed = RemoteClaim(store_of(remote), RUN, tmp_path / "home", lease_s=600)
@@ -1161,6 +1175,7 @@ def test_the_renewal_thread_makes_a_deleted_claim_again_or_stops_as_lost_and_nev
     assert claim_of(s3, remote)["leg"] == "b" and not claim_of(s3, remote)["released"]
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_store_emptied_mid_run_gets_back_its_claim_and_every_checkpoint_the_home_still_has(bucket, tmp_path, caplog):
     remote, s3 = bucket
     bucket_name, _ = remote.removeprefix("s3://").split("/", 1)
@@ -1201,6 +1216,7 @@ def put_claim(s3, remote: str, lease_s: float, host: str = "host-b", **changes) 
     s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_store_emptied_before_the_mirror_starts_gets_back_every_checkpoint_the_home_has(bucket, tmp_path, caplog):
     """Emptied while the claim is held and the mirror not yet built (a fetch, the run's set-up): the
     mirror, built with the old list, hears of the claim's remake when it starts."""
@@ -1250,6 +1266,7 @@ def test_a_claim_this_project_cannot_read_is_held_for_the_longest_lease_and_neve
     assert claim_of(s3, remote)["leg"] == "b"
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_new_machine_waits_for_a_lost_holder_on_another_host_to_run_out_and_takes_over(bucket, tmp_path, caplog):
     remote, s3 = bucket
     caplog.set_level(logging.INFO)
@@ -1273,6 +1290,7 @@ def test_a_new_machine_waits_for_a_lost_holder_on_another_host_to_run_out_and_ta
     assert len(said) == 2
 
 
+@pytest.mark.slow  # a second or more: out of the daily loop, which keeps this contract's quicker tests
 def test_a_new_machine_that_waits_for_a_holder_on_another_host_is_refused_once_it_renews(bucket, tmp_path, monkeypatch):
     remote, _ = bucket
     store = store_of(remote)

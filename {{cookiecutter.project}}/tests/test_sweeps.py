@@ -104,11 +104,11 @@ def test_a_single_run_is_named_by_its_overrides_a_path_by_its_last_part(monkeypa
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
+def swept(tmp_path_factory, blank_store):
     """The 2x2 sweep in one process, run once for this module: checked by the test below, and the
     reference that an interrupted sweep must reproduce. Its project folder is its own (as the
     `project` fixture's), so no other test's runs mix with it."""
-    project = copy_project(tmp_path_factory.mktemp("swept"))
+    project = copy_project(tmp_path_factory.mktemp("swept"), blank_store)
     return project, run_cli(project, *SWEEP, timeout=600)
 
 

@@ -155,9 +155,23 @@ def requirements() -> str:
     name installed twice, the one Python imports (the first on sys.path)."""
     found: dict[str, str] = {}
     for distribution in metadata.distributions():
-        if name := distribution.metadata["Name"]:
-            found.setdefault(name, distribution.version)
+        fields = _head(distribution)
+        if name := fields.get("Name"):
+            found.setdefault(name, fields.get("Version", ""))
     return "".join(f"{name}=={version}\n" for name, version in sorted(found.items(), key=lambda item: item[0].lower()))
+
+
+def _head(distribution: metadata.Distribution) -> dict[str, str]:
+    """The fields of a distribution's metadata before its body, each as first given. The body (the
+    long description, most of the file) is never parsed: `Distribution.metadata` parses it whole,
+    which over an environment's hundreds of packages cost each run's sender a fifth of a second."""
+    text = distribution.read_text("METADATA") or distribution.read_text("PKG-INFO") or ""
+    fields: dict[str, str] = {}
+    for line in text.partition("\n\n")[0].splitlines():
+        key, colon, value = line.partition(":")
+        if colon and not key[:1].isspace():
+            fields.setdefault(key, value.strip())
+    return fields
 
 
 def _git(folder: Path, *arguments: str, ok: tuple[int, ...] = ()) -> str:
