@@ -105,6 +105,22 @@ def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch,
     assert cold["main"] == "__main__" and cold["path0"] == str(probe) and cold["threads"] == 1
 
 
+def test_a_signal_the_starter_ignores_stays_ignored_in_a_fork_as_in_a_new_interpreter(probe):
+    """A background job's SIGINT: the kernel hands an ignored signal on to a new process, and Python
+    leaves SIGINT ignored then; a fork must too, not raise KeyboardInterrupt."""
+    _warm_parent()  # started before: what the warm parent itself inherited is not what it hands on
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        handlers = []
+        for warm in (False, True):
+            process, report = started(probe, warm)
+            process.communicate("exit 0\n")  # waits for its end: the probe exits when told
+            handlers.append(report["handlers"])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert handlers[0] == handlers[1] and handlers[0]["SIGINT"] == str(int(signal.SIG_IGN))
+
+
 @pytest.mark.parametrize(
     "ending, returncode",
     [
@@ -117,6 +133,8 @@ def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch,
     ids=["exit-3", "exception", "sigterm", "sigkill", "sigint"],
 )
 def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
+    if ending == signal.SIGINT and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        pytest.skip("this suite ignores SIGINT (a background job's), so a new interpreter would ignore it too")
     ended = {}
     for warm in (False, True):
         process, _ = started(probe, warm)

@@ -152,6 +152,7 @@ class WarmPopen(subprocess.Popen):
             "env": env,
             "session": bool(given["start_new_session"]),
             "added": _added_path(env, self._parent.env),
+            "ignored": _ignored(),
         }
         socket.send_fds(self._connection, [json.dumps(request).encode()], streams)
         told = self._connection.recv(64)
@@ -312,6 +313,16 @@ def serve(path: str, ready: int) -> list[str]:
         children[os.pidfd_open(pid)] = (pid, connection)
 
 
+def _ignored() -> list[int]:
+    """The signals a new process started from this one would start with ignored: those this process
+    ignores (the kernel's mask: a background job's SIGINT and SIGQUIT, `nohup`'s SIGHUP), less those
+    that every Python interpreter ignores as it starts and Popen restores for its child."""
+    with open("/proc/self/status") as status:
+        mask = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+    own = {signal.SIGPIPE, signal.SIGXFSZ}
+    return [number for number in range(1, signal.NSIG) if mask >> (number - 1) & 1 and number not in own]
+
+
 def _record(path: str, pid: int) -> str:
     """Where the warm parent serving at socket `path` keeps what child `pid` was asked for."""
     return os.path.join(os.path.dirname(path), f"{pid}.json")
@@ -345,6 +356,11 @@ def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> N
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
     tempfile.tempdir = None  # read from TMPDIR again, as a new interpreter would
+    # What the requester ignores, a new interpreter inherits ignored (and Python then leaves SIGINT so);
+    # otherwise SIGINT raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for number in request["ignored"]:
+        signal.signal(number, signal.SIG_IGN)
     # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork.
     import random
 
