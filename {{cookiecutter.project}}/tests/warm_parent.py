@@ -316,11 +316,12 @@ def serve(path: str, ready: int) -> list[str]:
 def _ignored() -> list[int]:
     """The signals a new process started from this one would start with ignored: those this process
     ignores (the kernel's mask: a background job's SIGINT and SIGQUIT, `nohup`'s SIGHUP), less those
-    that every Python interpreter ignores as it starts and Popen restores for its child."""
+    that every Python interpreter ignores as it starts and Popen restores for its child, and the C
+    library's own (32 and 33, which the mask may show and no program may set)."""
     with open("/proc/self/status") as status:
         mask = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
-    own = {signal.SIGPIPE, signal.SIGXFSZ}
-    return [number for number in range(1, signal.NSIG) if mask >> (number - 1) & 1 and number not in own]
+    settable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
+    return sorted(number for number in settable if mask >> (number - 1) & 1)
 
 
 def _record(path: str, pid: int) -> str:
