@@ -234,30 +234,41 @@ def test_a_refused_answer_typed_at_the_prompt_gets_the_same_line_phrased_for_the
     assert not out.exists() or list(out.iterdir()) == []
 
 
+# The bake's three collections in one interpreter (each alone pays torch's and MLflow's imports):
+# pytest's `--collect-only` with the options of each, as its command line would be, printed as JSON.
+COLLECTIONS = """
+import json, sys
+import pytest
+
+class Collected:
+    def pytest_collection_finish(self, session):
+        self.tests = [item.nodeid for item in session.items]
+
+found = []
+for options in json.loads(sys.argv[1]):
+    collected = Collected()
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *options], [collected])
+    assert code == 0, f"pytest --collect-only {' '.join(options)} exited {code}"
+    found.append(collected.tests)
+print(json.dumps(found))
+"""
+
+
 def test_the_bakes_default_pytest_leaves_out_the_slow_tests_and_all_adds_them(
     bake: Bake, tmp_path: Path
 ) -> None:
     project = bake(tmp_path)
-
-    def collecting(*options: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-            + list(options),
-            cwd=project,
-            env={**os.environ, "PYTHONPATH": str(project / "src")},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def collected(process: subprocess.Popen) -> set[str]:
-        stdout, stderr = process.communicate()
-        assert process.returncode == 0, f"{stdout}\n{stderr}"
-        return {line for line in stdout.splitlines() if "::" in line}
-
-    # The three collections at once: each pays the start-up of torch and MLflow, not the others'.
-    running = collecting(), collecting("--all"), collecting("-m", "slow and not daily")
-    default, every, slow = (collected(process) for process in running)
+    options = [[], ["--all"], ["-m", "slow and not daily"]]
+    result = subprocess.run(
+        [sys.executable, "-c", COLLECTIONS, json.dumps(options)],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    default, every, slow = map(set, json.loads(result.stdout.splitlines()[-1]))
     assert default and slow and default | slow == every and not default & slow
     # Slow by its `project` fixture (a subprocess), not by a marker of its own:
     assert any(

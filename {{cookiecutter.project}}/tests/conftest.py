@@ -297,9 +297,13 @@ def no_process_outlives_its_test() -> Iterator[None]:
 
 
 def run_cli(
-    project: Path, *overrides: str, timeout: float = 180, script: str = "run.py"
+    project: Path,
+    *overrides: str,
+    timeout: float = 180,
+    script: str = "run.py",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    process = start(project, *overrides, script=script)
+    process = start(project, *overrides, script=script, env=env)
     stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 

@@ -3,10 +3,9 @@ and resume through config alone: one class or function each, and one YAML file e
 
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import configured, losses, runs_named
+from conftest import configured, losses, run_cli, runs_named
 from mlflow import MlflowClient
 
 # Samples around four centres. The training set draws fresh noise each time a sample is read, as
@@ -99,10 +98,10 @@ def own(project, tmp_path):
 
 
 def run(own, *overrides: str) -> subprocess.CompletedProcess:
-    """`python run.py` in the project of `own` (or of `regression`), with its package importable."""
+    """`python run.py` in the project of `own` (or of `regression`), with its package importable
+    (forked by the warm parent, which puts that folder first on the child's path)."""
     project, env = own
-    command = [sys.executable, "run.py", *overrides]
-    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    return run_cli(project, *overrides, env=env, timeout=300)
 
 
 def only_run(project, name: str):
