@@ -3,6 +3,8 @@ PYTHON ?= python3
 # Installed before everything else so the rest resolves against it. For a CPU-only wheel:
 #   make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
+# Options for each `pip install` of the set-up (.ci/run: --no-compile).
+PIP_OPTIONS ?=
 VENV := .venv
 # Inside the venv, so deleting the venv also forgets that it was set up.
 STAMP := $(VENV)/.setup-stamp
@@ -13,8 +15,8 @@ setup: $(STAMP)
 
 $(STAMP): requirements-dev.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(TORCH)
-	$(VENV)/bin/pip install -r requirements-dev.txt
+	$(VENV)/bin/pip install $(PIP_OPTIONS) $(TORCH)
+	$(VENV)/bin/pip install $(PIP_OPTIONS) -r requirements-dev.txt
 	touch $@
 
 # Two pytest-xdist workers: the end-to-end test (the bake's suite, on workers of its own) and the
