@@ -19,10 +19,12 @@ from own_defaults import choose_own_defaults
 TIMEOUT_S = 3600
 
 
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a command in the bake; on failure show its output, which is the only diagnosis."""
     result = subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )
     if result.returncode != 0:
         pytest.fail(
@@ -31,11 +33,15 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
-def run_shown(command: list[str], cwd: Path, capsys: pytest.CaptureFixture[str], log: str) -> None:
+def run_shown(
+    command: list[str], cwd: Path, env: dict[str, str], capsys: pytest.CaptureFixture[str], log: str
+) -> None:
     """Run the bake's own suite, which takes many minutes, with its progress shown as it comes
     (past pytest's capture, where pytest runs in one process), so that `make test` never looks
     hung, and kept as `log` in CI's folder (CONTINUUM_CI_DIR, see `stage`); on failure, as `run`."""
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     watchdog = watched(process)
     output = bytearray()
     folder = os.environ.get("CONTINUUM_CI_DIR")
@@ -75,14 +81,16 @@ def watched(process: subprocess.Popen) -> threading.Timer:
 
 
 def run_beside(
-    name: str, command: list[str], cwd: Path, folder: Path, log: str
+    name: str, command: list[str], cwd: Path, env: dict[str, str], folder: Path, log: str
 ) -> Callable[[pytest.CaptureFixture[str]], None]:
     """Starts `command` now, its output going to `log` (in CI's folder, else in `folder`); returns
     the wait for its end, which shows that output and fails as `run` does. It is timed as the stage
     `name` from now to its own end, not to the wait's."""
     path = Path(os.environ.get("CONTINUUM_CI_DIR") or folder, log)
     with open(path, "wb") as output:
-        process = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT
+        )
     watchdog = watched(process)
     began = time.monotonic()
     timed = threading.Thread(target=lambda: (process.wait(), record_stage(name, began)))
@@ -139,6 +147,14 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
     # The venv already holds every runtime dependency and setuptools; no network needed.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     run([*pip, "-e", str(project)], cwd=project)
+    # The READMEs' tests install bakes of their own into this venv meanwhile, each taking the
+    # editable install's name: this bake's engine comes first on the path of all that runs here.
+    own = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(project / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
     suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
     # The SLURM tier in one process of its own: it starts one cluster, where each worker would
     # start its own on the same ports (it skips, saying why, where it cannot start one). Its jobs
@@ -147,11 +163,12 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
         "the bake's SLURM tier: pytest -m slurm (beside --all)",
         [*suite, "-rs", "-m", "slurm"],
         project,
+        own,
         tmp_path,
         "bake-slurm.log",
     )
     with stage("the bake's suite: pytest --all"):
-        run_shown([*suite, "--all", *in_parallel()], project, capsys, "bake-all.log")
+        run_shown([*suite, "--all", *in_parallel()], project, own, capsys, "bake-all.log")
     slurm(capsys)
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
@@ -164,6 +181,6 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
         "scheduler.total_steps=40",
         "mlflow.enabled=false",
     ]
-    run([*cnn, "trainer.max_steps=20"], cwd=project)
-    resumed = run([*cnn, "trainer.max_steps=40", "resume=last"], cwd=project)
+    run([*cnn, "trainer.max_steps=20"], cwd=project, env=own)
+    resumed = run([*cnn, "trainer.max_steps=40", "resume=last"], cwd=project, env=own)
     assert "resumed at step 20 on cpu" in resumed.stdout and "(ok)" in resumed.stdout

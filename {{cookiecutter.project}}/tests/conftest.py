@@ -238,15 +238,15 @@ def started(command: list[str], cold: bool = False, **popen) -> subprocess.Popen
     return subprocess.Popen(command, **popen)  # a new interpreter: this process forks only senders
 
 
-def started_by(process: subprocess.Popen) -> dict[int, dict[str, str]]:
-    """The processes that `process` started and that run still, each with its environment: its own
-    children, and those this worker's warm parent forked at its request (torchrun's workers, where
-    torchrun was forked)."""
-    found = {pid: env for warm in _WARM for pid, env in warm.started_by(process.pid).items()}
-    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-    for pid in map(int, children):
+def started_by(pid: int) -> dict[int, dict[str, str]]:
+    """The processes that process `pid` started and that run still, each with its environment: its
+    own children, and those this worker's warm parent forked at its request (its MLflow sender,
+    torchrun's workers where torchrun was forked)."""
+    found = {child: env for warm in _WARM for child, env in warm.started_by(pid).items()}
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    for child in map(int, children):
         with contextlib.suppress(FileNotFoundError):  # a child that ended meanwhile
-            found[pid] = environ(pid)
+            found[child] = environ(child)
     return found
 
 
@@ -257,6 +257,14 @@ def environ(pid: int) -> dict[str, str]:
             return forked
     with open(f"/proc/{pid}/environ", "rb") as variables:
         return dict(item.decode().split("=", 1) for item in variables.read().split(b"\0") if b"=" in item)
+
+
+def command(pid: int) -> list[str]:
+    """The command line process `pid` started with (a child of this worker's warm parent: as asked for)."""
+    for warm in _WARM:
+        if (forked := warm.command(pid)) is not None:
+            return forked
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
 _WARM: list[WarmParent] = []  # this worker's, once a test has started a run

@@ -142,8 +142,8 @@ def torchrun(
     """`torchrun --standalone --nproc-per-node=2 --max-restarts=0 run.py strategy=ddp device=cpu ...`
     (or another `script`) in `project`, its stdout and stderr to `output` (a file for a job that
     says more than a pipe holds before the test reads it). Forked by the warm parent, which forks
-    its workers too, unless `cold`: for a test that needs a worker's parent to be torchrun, or its
-    sender among its children in /proc (`started_by` finds the forked ones)."""
+    its workers too, unless `cold`: for a test that needs a worker's parent to be torchrun
+    (conftest's `started_by` and `command` find the forked workers and their senders)."""
     launch = [*rendezvous, f"--nproc-per-node={processes}", f"--max-restarts={restarts}"]
     command = [sys.executable, "-m", "torch.distributed.run", *launch, script]
     settings = [f"strategy={strategy}", *device, "trainer.log_every_n_steps=1", *overrides]
@@ -170,7 +170,7 @@ def ranks(process: subprocess.Popen) -> dict[int, int]:
     """torchrun's workers: {rank: pid}, once both have started (or a failure, if torchrun ends)."""
     while True:
         assert process.poll() is None, process.communicate()
-        found = {int(variables["RANK"]): pid for pid, variables in started_by(process).items() if "RANK" in variables}
+        found = {int(env["RANK"]): pid for pid, env in started_by(process.pid).items() if "RANK" in env}
         if len(found) == 2:
             return found
         time.sleep(0.1)

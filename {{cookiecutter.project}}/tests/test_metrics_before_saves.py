@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import configured, losses, run_cli, start, wait_for_exit
+from conftest import command, configured, losses, run_cli, start, started_by, wait_for_exit
 from mlflow import MlflowClient
 from test_distributed import CPU, torchrun
 
@@ -40,7 +40,7 @@ def test_a_kill_9_right_after_a_save_loses_no_metric_of_the_steps_it_covers(proj
     senders = []
     for killed_at in (15, 20):  # the first leg's third save, the next leg's first
         gate = save_gate(match=f"step_{killed_at:08d}")
-        process = start(project, *settings, *["resume=last"] * bool(senders), env=gate.env, cold=True)
+        process = start(project, *settings, *["resume=last"] * bool(senders), env=gate.env)
         senders.append(kill_at_the_gate(gate.wait(process)))
         process.communicate(timeout=60)
         assert newest_valid(project / "checkpoints" / configured().name)[1]["step"] == killed_at
@@ -56,8 +56,7 @@ def test_a_rank_0_killed_right_after_each_sharded_save_under_torchrun_loses_no_m
     gate = save_gate(each=True)
     settings = [f"checkpoint.every_n_steps={every}", f"trainer.max_steps={every * (kills + 1)}", "resume=auto"]
     with open(project / "torchrun.log", "w+") as log:
-        # Cold: a rank's sender is found among its children in /proc.
-        process = torchrun(project, *settings, strategy="fsdp", restarts=kills, env=gate.env, output=log, cold=True)
+        process = torchrun(project, *settings, strategy="fsdp", restarts=kills, env=gate.env, output=log)
         senders = []
         for _ in range(kills):
             senders.append(kill_at_the_gate(gate.wait(process)))
@@ -73,16 +72,9 @@ def test_a_rank_0_killed_right_after_each_sharded_save_under_torchrun_loses_no_m
 def kill_at_the_gate(pid: int) -> int:
     """SIGKILL to `pid`, held at the gate just after its rename; returns the pid of its MLflow
     sender, which lives on to deliver what it was handed."""
-    (sender,) = [child for child in children(pid) if b"drain" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    (sender,) = [child for child in started_by(pid) if "drain" in command(child)]
     os.kill(pid, signal.SIGKILL)
     return sender
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def assert_each_step_logged_once(project: Path, senders: list[int], steps: int) -> None:

@@ -15,8 +15,8 @@ that runs the recipe in its own process, starts; torchrun's workers (`python -u 
 the variables torchrun sets) where torchrun itself (`python -m torch.distributed.run`) is forked.
 Such a child's parent is the warm parent, not its requester, and its /proc cmdline and environ are
 the warm parent's: `WarmParent.started_by` finds a requester's forked children with their
-environment, and a test that looks for the sender among the run's children in /proc starts the run
-with `start(..., cold=True)`.
+environment, and `WarmParent.command` each one's command line (conftest's `started_by`, `environ`
+and `command` look there and in /proc).
 
 What a fork cannot give, a request that differs there is started cold (`can_start` says which): an
 environment variable that an interpreter or a library reads as it starts or is imported (PYTHON*,
@@ -109,6 +109,10 @@ class WarmParent:
     def environ(self, pid: int) -> dict[str, str] | None:
         """The environment child `pid` was forked with, while it runs (None: no child of this one)."""
         return self._children().get(pid, {}).get("env")
+
+    def command(self, pid: int) -> list[str] | None:
+        """The command child `pid` was forked for, while it runs (None: no child of this one)."""
+        return self._children().get(pid, {}).get("argv")
 
     def _children(self) -> dict[int, dict]:
         found = {}
@@ -306,7 +310,8 @@ def serve(path: str, ready: int) -> list[str]:
             return request["argv"]
         for stream in streams:
             os.close(stream)
-        record = json.dumps({"requester": requester, "env": json.loads(message)["env"]})
+        asked = json.loads(message)
+        record = json.dumps({"requester": requester, "argv": asked["argv"], "env": asked["env"]})
         Path(_record(path, pid) + ".tmp").write_text(record)
         os.rename(_record(path, pid) + ".tmp", _record(path, pid))  # whole, to `started_by`
         connection.send(str(pid).encode())
