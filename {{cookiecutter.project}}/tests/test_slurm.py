@@ -82,7 +82,8 @@ def check_came_back(project: Path, slurm: Cluster, job: str, sweep: subprocess.P
 
 def test_a_job_requeued_with_scontrol_resumes_by_itself(slurm, project, save_gate):
     gate = save_gate()  # the job waits at its first save: requeued mid-run, however slow this machine
-    sweep = start(project, *readme_sweep("low"), env={**gate.env, **slurm.env})
+    # The gate's PYTHONPATH (its folder first) over the one the cluster's environment copied.
+    sweep = start(project, *readme_sweep("low"), env={**slurm.env, **gate.env})
     job = slurm_job(gate.wait(sweep))
     slurm.run("scontrol", "requeue", job)
     wait_for_log(project, "SIGTERM received", sweep)
@@ -100,7 +101,7 @@ def test_a_preempted_job_saves_requeues_and_resumes_by_itself(slurm, project, sa
     60 s, and one that ended on its own inside them would be recorded FAILED, never to run again.
     The ddp job's two tasks each get the signal and must stop at the same step."""
     gate = save_gate()
-    sweep = start(project, *readme_sweep(partition, *launch), env={**gate.env, **slurm.env})
+    sweep = start(project, *readme_sweep(partition, *launch), env={**slurm.env, **gate.env})
     job = slurm_job(gate.wait(sweep))
     slurm.run(
         "sbatch", "-p", "high", f"--cpus-per-task={slurm.cpus}", "--output=/dev/null", "--wrap", "true"
@@ -117,7 +118,7 @@ def test_a_job_at_its_time_limit_saves_requeues_and_resumes_by_itself(slurm, pro
     1-minute limit it came as the job came back, before any handler was set, and killed it."""
     gate = save_gate()
     limits = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]
-    sweep = start(project, *readme_sweep("low", *limits), env={**gate.env, **slurm.env})
+    sweep = start(project, *readme_sweep("low", *limits), env={**slurm.env, **gate.env})
     job = slurm_job(gate.wait(sweep))
     wait_for_log(project, "SIGUSR2 received", sweep)
     gate.release()
@@ -126,7 +127,7 @@ def test_a_job_at_its_time_limit_saves_requeues_and_resumes_by_itself(slurm, pro
 
 def test_a_job_a_person_cancels_saves_stays_down_and_the_sweep_says_so_without_a_traceback(slurm, project, save_gate):
     gate = save_gate()
-    sweep = start(project, *readme_sweep("low"), env={**gate.env, **slurm.env})
+    sweep = start(project, *readme_sweep("low"), env={**slurm.env, **gate.env})
     job = slurm_job(gate.wait(sweep))
     slurm.run("scancel", job)
     wait_for_log(project, "SIGTERM received", sweep)
