@@ -182,7 +182,8 @@ def test_a_standby_with_a_remote_takes_over_from_a_killed_leg_and_mirrors_what_i
     first.communicate()
     newest = int((home / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
     said += said_until(second, "resumed at step")
-    while not any(int(path.stem.removeprefix("step_")) > newest for path in (mounted / name / "committed").iterdir()):
+    committed = mounted / name / "committed"  # step_N.json, each written whole from a temporary beside it
+    while not any(int(path.stem.removeprefix("step_")) > newest for path in committed.glob("step_*.json")):
         assert second.poll() is None, said + "".join(second.communicate())
         time.sleep(0.05)  # until the standby's own first save is remote
     second.send_signal(signal.SIGTERM)

@@ -278,15 +278,12 @@ def serve(path: str, ready: int) -> list[str]:
         readable, _, _ = select.select([listener, *children], [], [])
         for pidfd in set(readable) & set(children):
             pid, connection = children.pop(pidfd)
-            # Told before it is reaped, as a parent's own wait finds it: until the requester hears the
-            # status, the child stays a zombie whose pid and process group a signal still finds.
-            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            with contextlib.suppress(OSError):  # a requester that ended first
-                connection.send(str(_wait_status(ended)).encode())
-            connection.close()
-            os.waitpid(pid, 0)
+            _, status = os.waitpid(pid, 0)
             os.close(pidfd)
             os.unlink(_record(path, pid))
+            with contextlib.suppress(OSError):  # a requester that ended first
+                connection.send(str(status).encode())
+            connection.close()
         if listener not in readable:
             continue
         connection, _ = listener.accept()
@@ -319,13 +316,6 @@ def serve(path: str, ready: int) -> list[str]:
         os.rename(_record(path, pid) + ".tmp", _record(path, pid))  # whole, to `started_by`
         connection.send(str(pid).encode())
         children[os.pidfd_open(pid)] = (pid, connection)
-
-
-def _wait_status(ended: os.waitid_result) -> int:
-    """The status `os.waitpid` gives for the child whose end `os.waitid` reported as `ended`."""
-    if ended.si_code == os.CLD_EXITED:
-        return ended.si_status << 8
-    return ended.si_status | (0x80 if ended.si_code == os.CLD_DUMPED else 0)
 
 
 def _ignored() -> list[int]:
