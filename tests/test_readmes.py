@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,8 +109,8 @@ class WarmChain:
     """The bake's warm parent for a chain's lines, started once a block has installed the project
     (`pip install`): a line before then, or with none, starts a new interpreter."""
 
-    def __init__(self, project: Path) -> None:
-        self.client = project / "tests" / "warm_parent.py"
+    def __init__(self) -> None:
+        self.client: Path | None = None
         self.parent = None
 
     def env(self) -> dict[str, str]:
@@ -117,8 +118,9 @@ class WarmChain:
             return {}
         return {"WARM_PARENT": str(self.client), "WARM_SOCKET": self.parent.path}
 
-    def installed(self) -> None:
+    def installed(self, project: Path) -> None:
         if self.parent is None:
+            self.client = project / "tests" / "warm_parent.py"
             spec = importlib.util.spec_from_file_location("bakes_warm_parent", self.client)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -150,23 +152,39 @@ def run_readme(
 ) -> list[str]:
     """Run each block of the README (or docs page) in a shell of its own that starts in `cwd`
     (where its reader stands), so `cd` and `&&` mean what they say; return the lines that ran, as
-    adapted."""
+    adapted. With `warm`, a block that installs the project goes on after its install line in a
+    second shell, where the first one stood, its lines forked by the project's warm parent."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     ran = []
     for block in command_blocks(readme):
+        lines = [adapted(line) for line in block if not any(skip in line for skip in SKIPPED)]
+        lines = [line for line in lines if line]  # a set-up step done here already leaves nothing
+        ran += lines
+        installs = [number for number, line in enumerate(lines) if "pip install" in line]
+        parts = [lines]
+        if warm is not None and installs:
+            parts = [lines[: installs[-1] + 1], lines[installs[-1] + 1 :]]
+        where = cwd
+        for number, part in enumerate(parts):
+            if number == 1:
+                warm.installed(where)
+            where = run_lines(part, where, env | (warm.env() if warm else {}), source)
+    return ran
+
+
+def run_lines(lines: list[str], cwd: Path, env: dict[str, str], source: str) -> Path:
+    """Run `lines` in one shell that starts in `cwd`; return the folder it ended in."""
+    with tempfile.TemporaryDirectory() as told:
+        ended = Path(told, "pwd")
         script = ["set -euo pipefail", SERVER_CHECK, WARM_LINES]
-        for line in block:
-            if any(skip in line for skip in SKIPPED):
-                continue
-            line = adapted(line)
-            if line:  # a set-up step this machine has already done leaves nothing to run
-                ran.append(line)
-                script += [f"echo {shlex.quote('$ ' + line)}", line]
+        for line in lines:
+            script += [f"echo {shlex.quote('$ ' + line)}", line]
+        script.append(f'echo "$PWD" >{shlex.quote(str(ended))}')
         result = subprocess.run(
             ["bash", "-c", "\n".join(script)],
             cwd=cwd,
-            env={**env, **(warm.env() if warm else {})},
+            env=env,
             input="\n" * 50,  # Enter at each of cookiecutter's questions: the defaults
             capture_output=True,
             text=True,
@@ -174,9 +192,7 @@ def run_readme(
             check=False,
         )
         assert result.returncode == 0, f"{source}:\n{result.stdout}\n{result.stderr}"
-        if warm is not None and any("pip install" in line for line in block):
-            warm.installed()
-    return ran
+        return Path(ended.read_text().strip())
 
 
 # `mlflow ui` serves until stopped: here it is started on a port of the kernel's choosing (port 0:
@@ -223,7 +239,11 @@ def test_the_template_readme_runs_in_order_in_a_copy_of_the_checkout(tmp_path: P
     # A copy of the checkout, where its reader stands: make demo writes demo/ beside the Makefile.
     checkout = tmp_path / "continuum"
     shutil.copytree(TEMPLATE, checkout, ignore=shutil.ignore_patterns(".venv", ".git", "demo"))
-    ran = run_readme((TEMPLATE / "README.md").read_text(), checkout)
+    warm = WarmChain()
+    try:
+        ran = run_readme((TEMPLATE / "README.md").read_text(), checkout, warm=warm)
+    finally:
+        warm.stop()
     assert any(line.startswith("cookiecutter") for line in ran)
     assert (checkout / "my-trainer" / "mlflow.db").exists()
     assert (checkout / "demo" / "my-trainer" / "checkpoints" / "demo" / "latest").exists()
@@ -237,7 +257,7 @@ def test_the_generated_readme_and_its_docs_run_in_order_in_a_fresh_bake(
     on a team's own defaults, does not run."""
     project = bake(tmp_path)
     readme = (project / "README.md").read_text()
-    warm = WarmChain(project)
+    warm = WarmChain()
     try:
         ran = run_readme(readme, project, warm=warm)
         for page in linked_pages(readme):

@@ -4,9 +4,11 @@ twice, as a new interpreter and forked, and compares what each reports and how e
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import warm_parent
@@ -149,6 +151,24 @@ def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
         stdout, stderr = process.communicate()  # waits for its end
         ended[warm] = (process.returncode, stderr.splitlines()[-1:])
     assert ended[True] == ended[False] and ended[True][0] == returncode
+
+
+def test_an_ended_forked_run_is_found_by_its_pid_and_group_until_its_wait_as_a_new_interpreter(probe):
+    """torchrun signals each worker's process group whose `poll()` says running: a worker that ends
+    meanwhile must still be there to signal (a zombie), as a child of torchrun's own would be."""
+    seen = {}
+    for warm in (False, True):
+        process, report = started(probe, warm, start_new_session=True)
+        pidfd = os.pidfd_open(process.pid)
+        process.stdin.write("exit 0\n")
+        process.stdin.flush()
+        select.select([pidfd], [], [])  # readable once the run has ended
+        os.close(pidfd)
+        state = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        os.killpg(process.pid, signal.SIGTERM)  # raises if nothing is left to signal
+        process.communicate()
+        seen[warm] = (state, process.returncode, os.path.exists(f"/proc/{report['pid']}"))
+    assert seen[True] == seen[False] == ("Z", 0, False)
 
 
 def test_a_forked_run_in_a_session_of_its_own_leads_it(probe):

@@ -4,8 +4,9 @@ each run, so that start-up is paid once per worker instead of once per run.
 
 A forked run is a new process to the test: it is `WarmPopen`, a `subprocess.Popen` whose pid is the
 run's own (signals, `pgrep -P`, pidfds and claims see the run), whose pipes are the ones the test
-asked for, and whose exit status is the run's wait status (the warm parent reaps it and passes the
-status on). The child starts as a new interpreter would: the argv, working directory, environment
+asked for, and whose exit status is the run's wait status (the warm parent passes the status on and
+reaps the run once the test has it: until then an ended run is a zombie, as a child of the test's own
+would be). The child starts as a new interpreter would: the argv, working directory, environment
 and standard streams of the request, `sys.path[0]` the script's folder, the signal handlers and
 RNG states of a fresh interpreter, no thread, socket or file of the warm parent's.
 
@@ -172,6 +173,11 @@ class WarmPopen(subprocess.Popen):
         status = self._connection.recv(64)
         if not status:
             raise ChildProcessError(f"the warm parent ended before run {self.pid} did; its exit status is lost")
+        # Until now the child was a zombie, as a child of this process's own would be until its wait:
+        # a signal to its pid or group still found it. Heard, it is reaped before this wait returns.
+        with contextlib.suppress(OSError):
+            self._connection.send(b"reap")
+            self._connection.recv(64)
         self._connection.close()
         return self.pid, int(status)
 
@@ -274,16 +280,22 @@ def serve(path: str, ready: int) -> list[str]:
     os.write(ready, b"ready\n")
     os.close(ready)
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, the requester's connection)
+    # A child that ended is told to its requester and stays a zombie, as the requester's own child
+    # would, until the requester has heard its status (or ended): then it is reaped.
+    ended: dict[socket.socket, int] = {}  # the requester's connection: the pid it waits to reap
     while True:
-        readable, _, _ = select.select([listener, *children], [], [])
+        readable, _, _ = select.select([listener, *children, *ended], [], [])
         for pidfd in set(readable) & set(children):
             pid, connection = children.pop(pidfd)
-            _, status = os.waitpid(pid, 0)
             os.close(pidfd)
-            os.unlink(_record(path, pid))
-            with contextlib.suppress(OSError):  # a requester that ended first
+            status = _wait_status(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT))
+            try:
                 connection.send(str(status).encode())
-            connection.close()
+                ended[connection] = pid
+            except OSError:  # a requester that ended first
+                _reap(path, pid, connection)
+        for connection in set(readable) & set(ended):
+            _reap(path, ended.pop(connection), connection)
         if listener not in readable:
             continue
         connection, _ = listener.accept()
@@ -303,6 +315,8 @@ def serve(path: str, ready: int) -> list[str]:
             for pidfd, (_, other) in children.items():
                 os.close(pidfd)
                 other.close()
+            for other in ended:
+                other.close()
             connection.close()
             request = json.loads(message)
             fork_from(functools.partial(_ThisWarmParent, path, env, imports_set))
@@ -316,6 +330,22 @@ def serve(path: str, ready: int) -> list[str]:
         os.rename(_record(path, pid) + ".tmp", _record(path, pid))  # whole, to `started_by`
         connection.send(str(pid).encode())
         children[os.pidfd_open(pid)] = (pid, connection)
+
+
+def _wait_status(ended: os.waitid_result) -> int:
+    """The status `os.waitpid` gives for the child whose end `os.waitid` reported as `ended`."""
+    if ended.si_code == os.CLD_EXITED:
+        return ended.si_status << 8
+    return ended.si_status | (0x80 if ended.si_code == os.CLD_DUMPED else 0)
+
+
+def _reap(path: str, pid: int, connection: socket.socket) -> None:
+    """Reaps ended child `pid`, then tells its requester so on `connection` (if it listens still)."""
+    os.waitpid(pid, 0)
+    os.unlink(_record(path, pid))
+    with contextlib.suppress(OSError):
+        connection.send(b"reaped")
+    connection.close()
 
 
 def _ignored() -> list[int]:
