@@ -4,11 +4,10 @@ were trained or by MLflow id."""
 
 import shutil
 import sqlite3
-import subprocess
 import sys
 
 import pytest
-from conftest import copy_project
+from conftest import copy_project, run_cli
 from mlflow.entities import Metric, Param
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -166,13 +165,7 @@ def test_the_command_in_the_project_folder_reads_its_own_store_and_checkpoints(m
         recipe.train(make_cfg(*on_disk, "trainer.max_steps=10", *run))
 
     done, missing = (
-        subprocess.run(
-            [sys.executable, "-m", "{{cookiecutter.package}}.engine.compare", "cmp-adamw", other],
-            cwd=project,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        run_cli(project, "{{cookiecutter.package}}.engine.compare", "cmp-adamw", other, script="-m", timeout=120)
         for other in ("cmp-sgd", "nothing")
     )
 

@@ -59,14 +59,15 @@ AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH"
 AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
 SCRIPTS = ("run.py", "eval.py", "export.py")
 SENDER = "{{cookiecutter.package}}.engine.tracking"  # run as `python -m` by a tracked run
-MODULES = (SENDER, "torch.distributed.run")
+COMPARE = "{{cookiecutter.package}}.engine.compare"  # a person's `python -m`, as the docs give it
+MODULES = (SENDER, "torch.distributed.run", COMPARE)
 # Popen's arguments that a request carries; any other one set means a cold start.
 CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal_newlines", "bufsize", "cwd", "env"}
 CARRIED |= {"start_new_session"}
 MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
 IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
 IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.tracking.sender", "torch._dynamo")
-IMPORTS += ("torch.distributed.run",)
+IMPORTS += ("torch.distributed.run", COMPARE)
 # What the sender imports as it opens the sqlite store (SQLAlchemy, Alembic's schema check): a second.
 IMPORTS += ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store")
 IMPORTS += ("mlflow.store.model_registry.sqlalchemy_store", "alembic.config", "sqlalchemy.dialects.sqlite")
