@@ -220,16 +220,19 @@ while True:
 '
 mlflow() {
   if [ "$1" != ui ]; then command mlflow "$@"; return; fi
+  local log server url= answer=0
+  log=$(mktemp)  # made here, empty: the server's line is never read from an earlier server's log
   MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
-    setsid mlflow "$@" --port 0 --workers 1 >mlflow-ui.log 2>&1 &
-  local server=$! url= answer=0
-  until url=$(grep -o 'Uvicorn running on http://[0-9.]*:[0-9]*' mlflow-ui.log | grep -o 'http://.*'); do
-    kill -0 $server 2>/dev/null || { cat mlflow-ui.log; return 1; }
+    setsid mlflow "$@" --port 0 --workers 1 >"$log" 2>&1 &
+  server=$!
+  until url=$(grep -o 'Uvicorn running on http://[0-9.]*:[0-9]*' "$log" | grep -o 'http://.*'); do
+    kill -0 $server 2>/dev/null || { cat "$log"; return 1; }
     sleep 0.1
   done
   command python -c "$PROBE" $server "$url/" || answer=$?
   kill -- -$server; wait $server || true
-  [ $answer = 0 ] || { cat mlflow-ui.log; return 1; }
+  [ $answer = 0 ] || { cat "$log"; return 1; }
+  rm -f "$log"
 }
 """
 
