@@ -126,14 +126,12 @@ def record_stage(name: str, began: float) -> None:
 
 
 def in_parallel() -> list[str]:
-    """pytest-xdist's options for the bake's suite: each test keeps to folders, stores and ports of
-    its own (ports of the kernel's choosing), so several run side by side, one more than the cores:
-    a test waits on its runs' events part of the time (two workers kept two cores 85% busy, alone),
-    and the suite is CI's longest stage, so it takes the share of the cores the other tests leave.
-    Work stealing keeps the workers busy to the end."""
+    """pytest-xdist's options for the bake's suite: its tests wait for a subprocess most of the
+    time, and each keeps to folders, stores and ports of its own (ports of the kernel's choosing),
+    so two or more run side by side; work stealing keeps the workers busy to the end."""
     if importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(min(4, (os.cpu_count() or 2) + 1)), "--dist", "worksteal"]
+    return ["-n", str(min(4, max(2, os.cpu_count() or 2))), "--dist", "worksteal"]
 
 
 @pytest.mark.slow
