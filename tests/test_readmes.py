@@ -6,10 +6,10 @@ that stops working fails this test, so the READMEs and the pages cannot drift fr
 
 What this machine cannot do as written is adapted by the rules in REWRITES (no network, no GPU,
 2 cores, seconds instead of minutes), and a line that cannot run here at all is listed in SKIPPED
-with the reason and the test that covers it instead. Every other line runs as written. In the
-generated project's chain, a foreground `python` or `torchrun` line is forked by the bake's warm
-parent (its tests/warm_parent.py) once the project is installed: the imports are paid once a chain,
-not once a line (WarmChain).
+with the reason and the test that covers it instead. Every other line runs as written. In either
+chain, a foreground `python` or `torchrun` line is forked by the bake's warm parent (its
+tests/warm_parent.py) once the project is installed: the imports are paid once a chain, not once a
+line (WarmChain).
 """
 
 import importlib.util
