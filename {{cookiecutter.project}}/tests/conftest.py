@@ -1,9 +1,11 @@
 """Shared fixtures: configs composed from the real configs/ folder, pointed at temporary stores."""
 
+import atexit
 import contextlib
 import copy
 import ctypes
 import functools
+import gc
 import importlib.resources
 import os
 import re
@@ -18,16 +20,22 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hydra import compose, initialize_config_dir
-from mlflow import MlflowClient
-from mlflow.entities import Run
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 from warm_parent import WarmParent, WarmPopen, fork_from
 
-from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.lifecycle.goodput import BUCKETS
+
+# xdist's controller imports this file too, and starts its workers only after it: MLflow and the
+# recipe (torch), 3 s together, are imported where a fixture uses them, in the workers.
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
 
 PROJECT = Path(__file__).resolve().parents[1]
 # The folders a run's config is composed from, the first one's files winning (engine.config_roots.config_roots):
@@ -67,6 +75,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     global _COLD_STARTS
     _COLD_STARTS = config.getoption("--cold-starts")
+    # The last thing at exit, as run.py's: a worker's shutdown would otherwise search torch's
+    # million objects for garbage, 2 s that `pytest` waits for before it says it is done.
+    atexit.register(gc.freeze)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -127,9 +138,21 @@ def _compose(overrides: tuple[tuple[str, str], ...]) -> DictConfig:
 
 
 def _composed(overrides: tuple[tuple[str, str], ...]) -> DictConfig:
-    """A copy of what composing `overrides` gives: each set is composed once per pytest process
-    (Hydra takes a fifth of a second for it), and each test gets a copy of its own to change."""
-    return copy.deepcopy(_compose(overrides))
+    """What composing `overrides` gives, as Hydra gives it: the config files the overrides choose,
+    composed once per pytest process (Hydra takes a fifth of a second for it, most of it reading
+    the files), a copy of it for each test to change, then the values set on that copy by Hydra's
+    own code for a command line's values, which it too applies after composing the files."""
+    chosen = copy.deepcopy(_compose(tuple((key, value) for key, value in overrides if _chooses(key))))
+    values = [f"{key}={value}" for key, value in overrides if not _chooses(key)]
+    ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(values), chosen)
+    return chosen
+
+
+def _chooses(key: str) -> bool:
+    """Whether an override of `key` chooses config files (a group's option, Hydra's own settings, a
+    package) rather than sets a value: Hydra reads these while it composes the files."""
+    bare = key.lstrip("+~")
+    return bare.startswith("hydra") or "@" in bare or any((root / bare).is_dir() for root in CONFIG_ROOTS)
 
 
 def configured(*overrides: str) -> DictConfig:
@@ -139,7 +162,9 @@ def configured(*overrides: str) -> DictConfig:
 
 
 @pytest.fixture
-def client(tracking_uri: str) -> MlflowClient:
+def client(tracking_uri: str) -> "MlflowClient":
+    from mlflow import MlflowClient
+
     return MlflowClient(tracking_uri=tracking_uri)
 
 
@@ -148,6 +173,8 @@ def sigterm_at(monkeypatch):
     """Sends this process SIGTERM during training step `step`, as a cluster scheduler would."""
 
     def arm(step: int) -> None:
+        from {{cookiecutter.package}}.engine import train as recipe
+
         calls = []
         real_step = recipe.train_step
 
@@ -163,7 +190,7 @@ def sigterm_at(monkeypatch):
     return arm
 
 
-def runs_named(client: MlflowClient, name: str, filter_string: str = "") -> list[Run]:
+def runs_named(client: "MlflowClient", name: str, filter_string: str = "") -> "list[Run]":
     """The MLflow runs of `name=` (the param `name`: training runs, sweep jobs, evaluations), newest
     first, in every experiment of the store: the project's, and any of the older grouping by name."""
     experiments = [experiment.experiment_id for experiment in client.search_experiments()]
@@ -171,7 +198,7 @@ def runs_named(client: MlflowClient, name: str, filter_string: str = "") -> list
     return client.search_runs(experiments, found) if experiments else []
 
 
-def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[int, list[float]]:
+def losses(client: "MlflowClient", run_id: str, key: str = "train/loss") -> dict[int, list[float]]:
     """Every value logged for `key`, by step (a step logged again after a resume has two)."""
     by_step: dict[int, list[float]] = {}
     for metric in client.get_metric_history(run_id, key):
@@ -183,6 +210,8 @@ def losses(client: MlflowClient, run_id: str, key: str = "train/loss") -> dict[i
 def blank_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An MLflow store whose tables are made, once a pytest process: a run that makes its own store
     spends a second of CPU on MLflow's migrations, which a test's copy of the project skips."""
+    from mlflow import MlflowClient
+
     database = tmp_path_factory.mktemp("blank-store") / "mlflow.db"
     MlflowClient(tracking_uri=f"sqlite:///{database}").search_experiments()
     return database
@@ -437,7 +466,7 @@ def hold(home: Path, fork: bool = False) -> subprocess.Popen:
     return holder
 
 
-def goodput_of(run: Run) -> dict[str, float]:
+def goodput_of(run: "Run") -> dict[str, float]:
     """The `goodput/*` metrics of `run` (their last values, without the prefix), checked to add up:
     the buckets to the wall time the legs' clocks read, each within 10 ms a leg (the resolution of a
     process's start time), and the fraction to training's share of it."""

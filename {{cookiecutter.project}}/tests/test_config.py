@@ -3,9 +3,10 @@
 import itertools
 
 import pytest
-from conftest import PROJECT
+from conftest import BASE, PROJECT
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from {{cookiecutter.package}}.engine.config import check_values
@@ -48,6 +49,34 @@ def test_every_group_combination_composes_into_typed_values(make_cfg, choice):
     assert cfg.optimizer._target_ == {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}[choice[2]]
     assert isinstance(cfg.optimizer.lr, float)
     assert cfg.scheduler._target_.endswith(f".schedulers.{choice[3]}")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("optimizer=sgd", "optimizer.lr=0.05", "scheduler=cosine", "scheduler.warmup_steps=3", "amp=bf16"),
+        ("experiment=char_lm", "+metrics.r2._target_=torchmetrics.R2Score", "++trainer.max_steps=7", "name=a.b"),
+        ("amp.enabled=maybe",),
+        ("trainer.max_stepz=1",),
+    ],
+    ids=repr,
+)
+def test_a_tests_config_is_the_one_hydra_composes_from_the_whole_command_line(make_cfg, tracking_uri, overrides):
+    """make_cfg composes the files that a command line's options choose once a pytest process and sets
+    its values on a copy (conftest._composed): the config, or the error, Hydra gives for all of it."""
+    line = [f"{key}={value}" for key, value in {**BASE, "mlflow.tracking_uri": tracking_uri}.items()]
+    line += [*overrides, "checkpoint.dir=/runs/here"]
+    with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
+        try:
+            hydras = OmegaConf.to_container(compose("config", overrides=line))
+        except (ConfigCompositionException, ValidationError) as refused:
+            hydras = f"{refused} {refused.__cause__}"
+    try:
+        ours = OmegaConf.to_container(make_cfg(*overrides, "checkpoint.dir=/runs/here"))
+    except (ConfigCompositionException, ValidationError) as refused:
+        ours = f"{refused} {refused.__cause__}"
+    assert ours == hydras
 
 
 def test_amp_off_is_the_string_option_not_a_yaml_boolean(make_cfg):

@@ -54,9 +54,10 @@ from pathlib import Path
 # The variables read as an interpreter starts or a library is imported: a child whose request
 # differs in one would not be the process it asks for.
 AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LANG", "LC_", "TZ")
-# Read as a run goes, not as it starts: torchrun's variables for its workers, and OMP_NUM_THREADS,
-# which a child gives torch as torch would have read it.
-AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+# Read as a run goes, not as it starts: torchrun's variables for its workers, OMP_NUM_THREADS,
+# which a child gives torch as torch would have read it, and Inductor's cache folder, which Inductor
+# reads each time it looks for a graph.
+AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
 SCRIPTS = ("run.py", "eval.py", "export.py")
 SENDER = "{{cookiecutter.package}}.engine.tracking"  # run as `python -m` by a tracked run
 COMPARE = "{{cookiecutter.package}}.engine.compare"  # a person's `python -m`, as the docs give it
