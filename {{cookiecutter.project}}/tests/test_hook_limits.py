@@ -3,6 +3,7 @@ can hold, hold the run in a hook past trainer.hook_timeout_s, whatever it does w
 bound it, or keep a stop from reaching it. Each ends the run in one line, with the newest checkpoint
 intact for resume=last."""
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -10,6 +11,8 @@ import pathlib
 import shlex
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,9 +23,11 @@ from test_distributed import ranks, torchrun
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.callbacks import state as callback_state
+from {{cookiecutter.package}}.engine.callbacks.time_limit import Hold
 from {{cookiecutter.package}}.engine.checkpoint.home import path_of, steps
 from {{cookiecutter.package}}.engine.checkpoint.resume import load
 from {{cookiecutter.package}}.engine.errors import RunError
+from {{cookiecutter.package}}.engine.lifecycle import preemption
 
 pytestmark = pytest.mark.slow  # beyond the daily loop: `pytest --all` runs it
 
@@ -382,6 +387,49 @@ def test_sigterm_reaches_a_run_held_in_a_hook_which_stops_saved_without_a_traceb
         f"stopped at step 20 by SIGTERM; saved {path_of(home, 20)}; continue with name={home.name} resume=last" in lines
     )
     assert load(path_of(home, 20)).step == 20
+
+
+def test_a_signal_that_comes_while_the_run_writes_to_a_full_log_pipe_is_said_there_without_a_logging_error():
+    """A run whose stderr is a pipe nobody reads for a while (a launcher's, a test's) waits in its
+    write; a signal then interrupts that write, and the handler's own line, written from there, would
+    be a reentrant write into the same stream: Python refuses it, and logging printed a traceback."""
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    handler = logging.StreamHandler(stream)
+    errors = []
+    handler.handleError = lambda record: errors.append(repr(sys.exc_info()[1]))  # what a write raised
+    logger = logging.getLogger(preemption.__name__)
+    logger.addHandler(handler)
+    main = threading.main_thread()
+
+    def signal_the_blocked_write_then_read() -> bytes:
+        wchan, given_up = pathlib.Path(f"/proc/self/task/{main.native_id}/wchan"), time.monotonic() + 120
+        # Until the main thread waits in its write, the pipe full (the kernel's pipe_write, or anon_pipe_write).
+        while not wchan.read_text().endswith("pipe_write"):
+            if time.monotonic() > given_up:
+                os.close(read)  # the main thread's write fails rather than wait for good
+                raise AssertionError(f"the main thread never waited in its write: {wchan.read_text()}")
+            time.sleep(0.01)
+        signal.pthread_kill(main.ident, signal.SIGTERM)
+        said = b""
+        while chunk := os.read(read, 1 << 16):
+            said += chunk
+        return said
+
+    with concurrent.futures.ThreadPoolExecutor(1) as reader:
+        said = reader.submit(signal_the_blocked_write_then_read)
+        try:
+            with preemption.Preemption(Hold(None)) as stops:
+                stream.write("x" * (1 << 20))  # 16 times what a pipe holds
+                stream.flush()
+                for thread in threading.enumerate():
+                    if thread.name == "signal-received":
+                        thread.join()
+        finally:
+            logger.removeHandler(handler)
+            stream.close()
+        assert stops.received == signal.SIGTERM and errors == []
+        assert "SIGTERM received: finishing this step or validation batch" in said.result().decode()
 
 
 def test_the_stop_line_names_the_run_and_its_words_typed_as_printed_continue_that_run(project, save_gate):

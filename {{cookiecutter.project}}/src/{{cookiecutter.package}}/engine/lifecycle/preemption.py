@@ -115,6 +115,10 @@ class Preemption:
         self._since = self._since or time.monotonic()
         self.hold.stops(received, frame)  # raises into a hook that holds the run
         if again:
-            log.warning(f"{received.name} received: already finishing this step or validation batch, then saving")
+            line = f"{received.name} received: already finishing this step or validation batch, then saving"
         else:
-            log.warning(f"{received.name} received: finishing this step or validation batch, then saving a checkpoint")
+            line = f"{received.name} received: finishing this step or validation batch, then saving a checkpoint"
+        # Said by a thread of its own: the signal may have come while this thread wrote to the log's
+        # stream (a full pipe holds it there), and a write from the handler would be a reentrant one,
+        # which Python refuses, logging printing its traceback in place of the line.
+        threading.Thread(target=log.warning, args=(line,), name="signal-received").start()
