@@ -422,9 +422,6 @@ def test_a_signal_that_comes_while_the_run_writes_to_a_full_log_pipe_is_said_the
             with preemption.Preemption(Hold(None)) as stops:
                 stream.write("x" * (1 << 20))  # 16 times what a pipe holds
                 stream.flush()
-                for thread in threading.enumerate():
-                    if thread.name == "signal-received":
-                        thread.join()
         finally:
             logger.removeHandler(handler)
             stream.close()

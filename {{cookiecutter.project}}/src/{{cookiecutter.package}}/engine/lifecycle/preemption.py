@@ -10,6 +10,7 @@ interrupts it at once (the hold the recipe hands over: callbacks/time_limit.py),
 as at any stop, whether the hook lets the interrupt out or swallows it."""
 
 import logging
+import queue
 import signal
 import threading
 import time
@@ -62,9 +63,17 @@ class Preemption:
         self.hold = hold
         self._previous: dict = {}
         self._twice = False
+        # The handler's lines, written by a thread of its own: a signal may come while this process
+        # writes to the log's stream (a full pipe holds it there), and a write from the handler would
+        # then be a reentrant one, which Python refuses (logging printed its traceback in their place).
+        # SimpleQueue's put is safe in a handler; starting a thread there is not (it takes locks).
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self._writer = threading.Thread(target=self._write_lines, name="signal-lines")
+            self._writer.start()
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
             if (hold := self.hold).bound_s is not None:
                 self._previous[hold.kick] = signal.signal(hold.kick, hold.kicked)
@@ -78,6 +87,9 @@ class Preemption:
             Preemption.installed = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._writer is not None:
+            self._lines.put(None)
+            self._writer.join()
         if self._twice and isinstance(error, KeyboardInterrupt):
             then = f"; {self.hold.continuation()}" if self.hold.continuation else ""
             log.warning(f"stopped at once by a second Ctrl-C: nothing more is saved{then}")
@@ -118,7 +130,8 @@ class Preemption:
             line = f"{received.name} received: already finishing this step or validation batch, then saving"
         else:
             line = f"{received.name} received: finishing this step or validation batch, then saving a checkpoint"
-        # Said by a thread of its own: the signal may have come while this thread wrote to the log's
-        # stream (a full pipe holds it there), and a write from the handler would be a reentrant one,
-        # which Python refuses, logging printing its traceback in place of the line.
-        threading.Thread(target=log.warning, args=(line,), name="signal-received").start()
+        self._lines.put(line)
+
+    def _write_lines(self) -> None:
+        while (line := self._lines.get()) is not None:
+            log.warning(line)
