@@ -300,7 +300,7 @@ def test_a_call_to_a_server_that_stopped_answering_fails_within_its_deadline_and
             store.put_bytes("demo/x", b"1")  # s3fs alone waits for ever on a PUT to a stopped server
         took = time.monotonic() - began
     assert failed.value.transient and "no answer within 2 s" in str(failed.value)
-    assert took < 4, took
+    assert took < 20, took  # unbounded, it waits for good: 20 s leaves a busy machine its slowness
     store.put_bytes("demo/x", b"2")
     assert keys(s3, remote) == {"x"}
 
@@ -470,7 +470,7 @@ def test_a_stop_with_the_store_down_waits_only_its_bound_and_says_what_is_not_re
         began = time.monotonic()
         said = mirror.settle(1.5)
         took = time.monotonic() - began
-    assert 1.4 < took < 3, took
+    assert 1.4 < took < 15, took  # the store's own deadline (30 s) would take twice the upper bound
     assert said == (
         f"remote: step_00000020.pt is not in {store.url}/{RUN} within checkpoint.remote_wait_s=1.5 (still uploading); "
         f"the newest checkpoint there is step_00000010.pt, and step_00000020.pt stays in {home}"
@@ -1570,7 +1570,10 @@ def test_a_sigterm_with_the_store_down_ends_within_remote_wait_s_and_says_what_i
         took = time.monotonic() - began
     said = stdout + stderr
     assert process.returncode == 128 + signal.SIGTERM, said
-    assert took < 2 + 8, took  # the bound, the release of the claim (5 s at most), and the exit
+    # The bound (2 s), the release of the claim (5 s at most) and the exit; a run that waited on
+    # the paused store would take a minute at least (botocore's read timeout), so 40 s leaves a
+    # busy machine its slowness and still tells the two apart.
+    assert took < 40, took
     step = int(re.search(r"stopped at step (\d+) by SIGTERM", said)[1])
     assert f"remote: step_{step:08d}.pt is not in {Store(remote).url}/{RUN} within checkpoint.remote_wait_s=2" in said
     assert f"step_{step:08d}.pt stays in {home}" in said
