@@ -1,6 +1,8 @@
 """A warm parent for the `python run.py ...` a test starts: one process per pytest worker that has
 imported what a run imports (torch, Hydra, the engine: seconds on two cores), and forks a child for
-each run, so that start-up is paid once per worker instead of once per run.
+each run, so that start-up is paid once per worker instead of once per run. (It imports what the
+MLflow sender imports first, and the rest as the first request for anything else comes: a worker
+that forks only senders pays for no more.)
 
 A forked run is a new process to the test: it is `WarmPopen`, a `subprocess.Popen` whose pid is the
 run's own (signals, `pgrep -P`, pidfds and claims see the run), whose pipes are the ones the test
@@ -66,12 +68,15 @@ MODULES = (SENDER, "torch.distributed.run", COMPARE)
 CARRIED = {"stdin", "stdout", "stderr", "text", "encoding", "errors", "universal_newlines", "bufsize", "cwd", "env"}
 CARRIED |= {"start_new_session"}
 MESSAGE = 1 << 20  # a request's most bytes: its argv and environment
+# What a sender imports, with what it imports as it opens the sqlite store (SQLAlchemy, Alembic's
+# schema check: a second): imported first, and alone while only senders are asked for (the daily
+# tier's tests train in their own process), half of what a run imports besides (torch, its compiler).
+SENDER_IMPORTS = ("{{cookiecutter.package}}.engine.tracking.sender", "mlflow.store.tracking.sqlalchemy_store")
+SENDER_IMPORTS += ("mlflow.store.tracking.sqlalchemy_workspace_store", "mlflow.store.model_registry.sqlalchemy_store")
+SENDER_IMPORTS += ("alembic.config", "sqlalchemy.dialects.sqlite")
+# What the rest import: once, as the first request for anything but a sender comes.
 IMPORTS = ("{{cookiecutter.package}}.engine.train", "{{cookiecutter.package}}.engine.evaluating")
-IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "{{cookiecutter.package}}.engine.tracking.sender", "torch._dynamo")
-IMPORTS += ("torch.distributed.run", COMPARE)
-# What the sender imports as it opens the sqlite store (SQLAlchemy, Alembic's schema check): a second.
-IMPORTS += ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store")
-IMPORTS += ("mlflow.store.model_registry.sqlalchemy_store", "alembic.config", "sqlalchemy.dialects.sqlite")
+IMPORTS += ("{{cookiecutter.package}}.engine.exporting", "torch._dynamo", "torch.distributed.run", COMPARE)
 
 
 class WarmParent:
@@ -267,15 +272,12 @@ def _die_with_parent() -> None:
 
 
 def serve(path: str, ready: int) -> list[str]:
-    """Imports what a run imports, then forks a child for each request; returns in the child only,
-    once it is set up as the interpreter its request asks for, the command it asked for."""
+    """Imports what a sender imports, then forks a child for each request, having imported what a run
+    imports before the first that is no sender's; returns in the child only, once it is set up as the
+    interpreter its request asks for, the command it asked for."""
     env = dict(os.environ)
-    for name in IMPORTS:
-        importlib.import_module(name)
-    # What the imports set (MLflow's request time-outs, ...): each child has it too, as it has
-    # the modules that set it, unless its request sets it.
-    imports_set = {key: value for key, value in os.environ.items() if env.get(key) != value}
-    threads = len(os.listdir("/proc/self/task"))  # torch's own, started by its import
+    imports_set, threads = imported(SENDER_IMPORTS, env)
+    runs_imported = False
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -308,6 +310,10 @@ def serve(path: str, ready: int) -> list[str]:
                 os.close(stream)
             connection.close()
             continue
+        request = json.loads(message)
+        if not runs_imported and _started(request["argv"])[1][:2] != ["-m", SENDER]:
+            imports_set, threads = imported(IMPORTS, env)
+            runs_imported = True
         # A thread started since the imports would not be in the child: a fork would lose its work.
         now = len(os.listdir("/proc/self/task"))
         assert now <= threads, f"the warm parent has {now} threads, {threads} after its imports"
@@ -320,18 +326,26 @@ def serve(path: str, ready: int) -> list[str]:
             for other in ended:
                 other.close()
             connection.close()
-            request = json.loads(message)
             fork_from(functools.partial(_ThisWarmParent, path, env, imports_set))
             _as_new(request, streams, imports_set)
             return request["argv"]
         for stream in streams:
             os.close(stream)
-        asked = json.loads(message)
-        record = json.dumps({"requester": requester, "argv": asked["argv"], "env": asked["env"]})
+        record = json.dumps({"requester": requester, "argv": request["argv"], "env": request["env"]})
         Path(_record(path, pid) + ".tmp").write_text(record)
         os.rename(_record(path, pid) + ".tmp", _record(path, pid))  # whole, to `started_by`
         connection.send(str(pid).encode())
         children[os.pidfd_open(pid)] = (pid, connection)
+
+
+def imported(names: tuple[str, ...], env: dict[str, str]) -> tuple[dict[str, str], int]:
+    """Imports `names`; returns what the imports so far set in the environment of `env` (MLflow's
+    request time-outs, ...), which each child has too, as it has the modules that set it, unless its
+    request sets it; and the threads this process has now (torch's own, started by its import)."""
+    for name in names:
+        importlib.import_module(name)
+    imports_set = {key: value for key, value in os.environ.items() if env.get(key) != value}
+    return imports_set, len(os.listdir("/proc/self/task"))
 
 
 def _wait_status(ended: os.waitid_result) -> int:
@@ -399,17 +413,18 @@ def _as_new(request: dict, streams: list[int], imports_set: dict[str, str]) -> N
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for number in request["ignored"]:
         signal.signal(number, signal.SIG_IGN)
-    # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork.
+    # A new interpreter seeds Python's, NumPy's and torch's generators anew: so must each fork. (One
+    # not imported here, as torch is not in a sender's, seeds itself as the child imports it, and
+    # reads OMP_NUM_THREADS then.)
     import random
 
-    import numpy
-    import torch
-
     random.seed()
-    numpy.random.seed()
-    torch.seed()
-    if "OMP_NUM_THREADS" in request["env"]:  # as torch reads it as it starts
-        torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
+    if numpy := sys.modules.get("numpy"):
+        numpy.random.seed()
+    if torch := sys.modules.get("torch"):
+        torch.seed()
+        if "OMP_NUM_THREADS" in request["env"]:  # as torch reads it as it starts
+            torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     for folder in request["added"]:
         found = Path(folder, "sitecustomize.py")
         if found.is_file():
