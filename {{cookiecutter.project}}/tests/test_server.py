@@ -28,8 +28,8 @@ class Server:
     It listens on a port of the kernel's choosing (port 0: no clash with anything else running)
     and is taken to be up once it says where; each start may get another port, so `uri` changes.
     Its store starts as a copy of `blank`, whose tables are made; and it starts without MLflow's job
-    runner, whose seven consumer processes each import MLflow (half a minute of CPU a start on two
-    cores) for jobs that no test here runs."""
+    runner, whose seven consumer processes each import MLflow (some 20 CPU-s a start on two cores)
+    for jobs that no test here runs, and outlive the server they belong to."""
 
     def __init__(self, folder: Path, blank: Path) -> None:
         self.folder, self.uri, self.process = folder, None, None
