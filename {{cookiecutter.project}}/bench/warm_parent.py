@@ -64,6 +64,8 @@ def main() -> None:
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     began = time.monotonic()
     parent = WarmParent()
+    # Its first request other than a sender's imports what a run needs besides: its start's too.
+    WarmPopen(parent, [sys.executable, "run.py", "--help"], **quiet).wait()
     print(f"the warm parent's start (once per pytest worker): {time.monotonic() - began:.1f} s wall")
     cold = (lambda command: subprocess.Popen(command, **quiet), None)
     forked = (lambda command: WarmPopen(parent, command, **quiet), parent.process.pid)
