@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # Named run.py, as the warm parent forks only the project's scripts. It reports what a process
 # inherits from the one that started it, then ends as its stdin tells it to.
 PROBE = """
-import json, os, random, signal, sys, threading
+import atexit, json, os, random, signal, sys, threading
 import numpy, torch
 import {{cookiecutter.package}}.engine.train
 
@@ -53,6 +53,11 @@ if told[0] == "exit":
     sys.exit(int(told[1]))
 if told[0] == "raise":
     raise RuntimeError("as a run that fails")
+if told[0] == "leave":  # work left for the end: a thread that reads on, an atexit handler, unflushed output
+    threading.Thread(target=lambda: sys.stdout.write("the thread read " + sys.stdin.readline())).start()
+    atexit.register(print, "at exit")
+    sys.stdout.write("unflushed\\n")  # a pipe's stdout is flushed as its buffer fills, or at the end
+    sys.exit("a message")
 signal.pause()
 """
 
@@ -151,6 +156,19 @@ def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
         stdout, stderr = process.communicate()  # waits for its end
         ended[warm] = (process.returncode, stderr.splitlines()[-1:])
     assert ended[True] == ended[False] and ended[True][0] == returncode
+
+
+def test_what_a_run_leaves_for_its_end_happens_in_a_fork_as_in_a_new_interpreter(probe):
+    """A thread still reading, an atexit handler, output not flushed and sys.exit's message: a fork
+    ends without the interpreter's teardown (warm_parent.end_as_new), and none of them is lost."""
+    ended = {}
+    for warm in (False, True):
+        process, _ = started(probe, warm)
+        stdout, stderr = process.communicate("leave\nlast line\n")  # waits for its end
+        # Sorted, as the thread's line comes before or after the main thread's.
+        ended[warm] = (process.returncode, sorted(stdout.splitlines()), stderr.splitlines()[-1:])
+    assert ended[True] == ended[False]
+    assert ended[True] == (1, ["at exit", "the thread read last line", "unflushed"], ["a message"])
 
 
 def test_an_ended_forked_run_is_found_by_its_pid_and_group_until_its_wait_as_a_new_interpreter(probe):
