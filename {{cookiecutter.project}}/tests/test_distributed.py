@@ -636,12 +636,13 @@ def test_the_cli_refuses_a_launch_that_does_not_match_the_strategy_in_one_line(p
         "torchrun --nproc-per-node=<devices> run.py strategy=ddp device=cpu"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py"]
-    single = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=120)
+    single = started(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = single.communicate(timeout=120)
     assert single.returncode != 0
     # torchrun stops the other process as soon as one fails: one or both of them get to say it.
-    said = [line for line in single.stderr.splitlines() if "error: " in line]
+    said = [line for line in stderr.splitlines() if "error: " in line]
     refusal = r"(\[rank 1\] )?error: this process is one of 2 \(started by torchrun or SLURM\), but strategy=single .+"
-    assert said and all(re.fullmatch(refusal, line) for line in said), single.stderr
+    assert said and all(re.fullmatch(refusal, line) for line in said), stderr
     assert not (project / "checkpoints").exists()
 
 

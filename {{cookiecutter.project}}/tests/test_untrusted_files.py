@@ -1,18 +1,16 @@
 """A checkpoint is data from anywhere: a sharded one whose `.metadata` (or a link in it) names a file
 outside its folder, and a FIFO where a checkpoint or one of its files should be, are refused in one
 line before anything is read, with checkpoint.verify on or off. A run that waited on a FIFO would be
-killed by the subprocess timeout, failing its test instead of hanging the suite. A folder where the
+killed at run_cli's time-out, failing its test instead of hanging the suite. A folder where the
 home's lock file goes is named as such, and left as it is."""
 
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import configured
+from conftest import configured, run_cli
 from test_distributed import CPU
 from test_sharded import reseal
 
@@ -39,13 +37,6 @@ def folder(make_cfg, checkpoint_dir) -> Path:
 
 def refused(folder: Path, reason: str) -> str:
     return f"{folder} was refused: {reason}; load only checkpoints this project wrote"
-
-
-def ended(project: Path, script: str, *overrides: str) -> subprocess.CompletedProcess:
-    """`python <script> ...` in `project`, killed if it has not ended in 3 minutes (a busy machine's
-    start-up); one that waits on a FIFO would wait forever."""
-    command = [sys.executable, script, *CPU, *overrides]
-    return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("verify", ["true", "false"])
@@ -96,7 +87,7 @@ def test_a_shard_that_is_a_link_to_a_file_outside_is_refused(make_cfg, folder, t
 def test_a_fifo_named_for_a_checkpoint_is_refused_in_one_line_at_once(project, script, setting, instead):
     fifo = project / "fifo"
     os.mkfifo(fifo)
-    result = ended(project, script, f"{setting}={fifo}")
+    result = run_cli(project, *CPU, f"{setting}={fifo}", script=script)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
         f"error: {setting}={fifo}: {fifo} is a FIFO, not a checkpoint file or folder; pass {instead} or a "
@@ -108,7 +99,7 @@ def test_a_fifo_named_for_a_checkpoint_is_refused_in_one_line_at_once(project, s
 def test_a_fifo_inside_a_sharded_checkpoint_is_refused_in_one_line_at_once(project, folder, name):
     (folder / name).unlink()
     os.mkfifo(folder / name)
-    result = ended(project, "export.py", f"checkpoint={folder}", "checkpoint.verify=false")
+    result = run_cli(project, *CPU, f"checkpoint={folder}", "checkpoint.verify=false", script="export.py")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"error: {refused(folder, f'its {name} is a FIFO, not a regular file')}"
 
@@ -141,7 +132,7 @@ def test_a_folder_where_the_lock_file_goes_is_named_as_one_in_one_line_and_left_
     lock = project / "checkpoints" / configured().name / "run.lock"
     lock.mkdir(parents=True)
     (lock / "mine.txt").write_text("mine")
-    result = ended(project, "run.py", QUIET, "trainer.max_steps=5")
+    result = run_cli(project, *CPU, QUIET, "trainer.max_steps=5")
     assert result.returncode == 2, result.stderr
     said = (
         f"{lock} is a folder, where this run keeps its lock file (one it writes itself): move the folder out of the "
