@@ -9,9 +9,9 @@ import signal
 
 import pytest
 import torch
-from conftest import losses
+from conftest import losses, run_cli
+from test_distributed import CPU
 from test_export import docs_lines
-from test_untrusted_files import ended
 
 from {{cookiecutter.package}}.engine import train as recipe
 from {{cookiecutter.package}}.engine.data.contract import build_data
@@ -104,12 +104,12 @@ def test_a_folder_without_two_labelled_files_is_one_line_naming_it_and_the_fix(m
 
 def test_a_label_file_that_is_a_fifo_is_refused_in_one_line_at_once_and_the_home_is_let_go(project, tmp_path):
     """Read as a file, a FIFO waits for a writer that may never come, the run's home locked meanwhile
-    (`ended` kills a run that waits: the test fails instead of hanging)."""
+    (run_cli's time-out ends a wait: the test fails instead of hanging)."""
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "good.txt").write_text("fine\n" * 10)
     os.mkfifo(texts / "bad.txt")
-    result = ended(project, "run.py", "data=text_folder", f"data.dir={texts}", "model=gpt", "mlflow.enabled=false")
+    result = run_cli(project, *CPU, "data=text_folder", f"data.dir={texts}", "model=gpt", "mlflow.enabled=false")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
         f"error: data ({{cookiecutter.package}}.datasets.text_folder): cannot read {texts / 'bad.txt'} (it is a FIFO, "
