@@ -250,21 +250,22 @@ def start(
 ) -> subprocess.Popen:
     """`python run.py ...` (or another `script`) in `project`, as a person would type it, forked by
     this worker's warm parent where it can be (tests/warm_parent.py), or a new interpreter (`cold`,
-    for a test that finds the run's MLflow sender among its children); killed when the test ends if
-    it runs still (no_process_outlives_its_test)."""
+    for a test that finds the run's MLflow sender among its children)."""
     command = [sys.executable, script, *overrides]
     popen = {"cwd": project, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env, **popen}
-    process = started(command, cold=cold, **popen)
-    _STARTED.append(process)
-    return process
+    return started(command, cold=cold, **popen)
 
 
 def started(command: list[str], cold: bool = False, **popen) -> subprocess.Popen:
-    """`subprocess.Popen(command, **popen)`, forked by this worker's warm parent where it can be."""
+    """`subprocess.Popen(command, **popen)`, forked by this worker's warm parent where it can be;
+    killed when the test ends if it runs still (no_process_outlives_its_test)."""
     warm = None if cold else _warm_parent()
     if warm is not None and warm.can_start(command, popen.get("env"), popen):
-        return WarmPopen(warm, command, **popen)
-    return subprocess.Popen(command, **popen)  # a new interpreter: this process forks only senders
+        process = WarmPopen(warm, command, **popen)
+    else:
+        process = subprocess.Popen(command, **popen)  # a new interpreter: this process forks only senders
+    _STARTED.append(process)
+    return process
 
 
 def started_by(pid: int) -> dict[int, dict[str, str]]:
@@ -317,7 +318,7 @@ def pytest_sessionfinish() -> None:
         warm.stop()
 
 
-_STARTED: list[subprocess.Popen] = []  # by `start`, in the test running now
+_STARTED: list[subprocess.Popen] = []  # by `started`, in the test running now
 _COLD_STARTS = False  # --cold-starts
 
 
@@ -326,6 +327,11 @@ def no_process_outlives_its_test() -> Iterator[None]:
     """A process the test started and left running (it failed before it stopped a run of a million
     steps) is killed as the test ends, rather than training on, and loading the machine, for hours."""
     yield
+    kill_what_runs_still()
+
+
+def kill_what_runs_still() -> None:
+    """Kills each process `started` in this test that runs still, and waits for its end."""
     while _STARTED:
         process = _STARTED.pop()
         if process.poll() is None:

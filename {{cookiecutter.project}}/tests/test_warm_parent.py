@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import warm_parent
-from conftest import _warm_parent, start
+from conftest import _warm_parent, kill_what_runs_still, start, started
 from warm_parent import WarmPopen
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,8 @@ if told[0] == "leave":  # work left for the end: a thread that reads on, an atex
     threading.Thread(target=lambda: sys.stdout.write("the thread read " + sys.stdin.readline())).start()
     atexit.register(print, "at exit")
     sys.stdout.write("unflushed\\n")  # a pipe's stdout is flushed as its buffer fills, or at the end
+    if told[1:] == ["without-sys.stderr"]:  # the message then goes to the process's stderr itself
+        sys.stderr = None
     sys.exit("a message")
 signal.pause()
 """
@@ -68,7 +70,7 @@ def probe(tmp_path):
     return tmp_path
 
 
-def started(probe, warm: bool, *argv: str, options: tuple[str, ...] = (), **popen) -> tuple[subprocess.Popen, dict]:
+def probed(probe, warm: bool, *argv: str, options: tuple[str, ...] = (), **popen) -> tuple[subprocess.Popen, dict]:
     command = [sys.executable, *options, "run.py", *argv]
     popen = {
         "cwd": probe,
@@ -96,7 +98,7 @@ def test_a_forked_run_reports_what_a_new_interpreter_reports(probe, monkeypatch,
         monkeypatch.setenv(name, value)
     reports = {}
     for warm in (False, True, True):
-        process, report = started(probe, warm, "a=1", "b=two", options=options)
+        process, report = probed(probe, warm, "a=1", "b=two", options=options)
         assert report.pop("pid") == process.pid
         process.communicate("exit 0\n")  # waits for its end: the probe exits when told
         reports.setdefault(warm, []).append(report)
@@ -120,7 +122,7 @@ def test_a_signal_the_starter_ignores_stays_ignored_in_a_fork_as_in_a_new_interp
     try:
         handlers = []
         for warm in (False, True):
-            process, report = started(probe, warm)
+            process, report = probed(probe, warm)
             process.communicate("exit 0\n")  # waits for its end: the probe exits when told
             handlers.append(report["handlers"])
     finally:
@@ -144,7 +146,7 @@ def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
         pytest.skip("this suite ignores SIGINT (a background job's), so a new interpreter would ignore it too")
     ended = {}
     for warm in (False, True):
-        process, _ = started(probe, warm)
+        process, _ = probed(probe, warm)
         if isinstance(ending, str):
             process.stdin.write(ending + "\n")
             process.stdin.flush()
@@ -158,13 +160,14 @@ def test_a_forked_run_ends_as_a_new_interpreter_ends(probe, ending, returncode):
     assert ended[True] == ended[False] and ended[True][0] == returncode
 
 
-def test_what_a_run_leaves_for_its_end_happens_in_a_fork_as_in_a_new_interpreter(probe):
+@pytest.mark.parametrize("told", ["leave", "leave without-sys.stderr"])
+def test_what_a_run_leaves_for_its_end_happens_in_a_fork_as_in_a_new_interpreter(probe, told):
     """A thread still reading, an atexit handler, output not flushed and sys.exit's message: a fork
     ends without the interpreter's teardown (warm_parent.end_as_new), and none of them is lost."""
     ended = {}
     for warm in (False, True):
-        process, _ = started(probe, warm)
-        stdout, stderr = process.communicate("leave\nlast line\n")  # waits for its end
+        process, _ = probed(probe, warm)
+        stdout, stderr = process.communicate(f"{told}\nlast line\n")  # waits for its end
         # Sorted, as the thread's line comes before or after the main thread's.
         ended[warm] = (process.returncode, sorted(stdout.splitlines()), stderr.splitlines()[-1:])
     assert ended[True] == ended[False]
@@ -176,7 +179,7 @@ def test_an_ended_forked_run_is_found_by_its_pid_and_group_until_its_wait_as_a_n
     meanwhile must still be there to signal (a zombie), as a child of torchrun's own would be."""
     seen = {}
     for warm in (False, True):
-        process, report = started(probe, warm, start_new_session=True)
+        process, report = probed(probe, warm, start_new_session=True)
         pidfd = os.pidfd_open(process.pid)
         process.stdin.write("exit 0\n")
         process.stdin.flush()
@@ -190,9 +193,19 @@ def test_an_ended_forked_run_is_found_by_its_pid_and_group_until_its_wait_as_a_n
 
 
 def test_a_forked_run_in_a_session_of_its_own_leads_it(probe):
-    process, report = started(probe, True, start_new_session=True)
+    process, report = probed(probe, True, start_new_session=True)
     process.communicate("exit 0\n")  # waits for its end: the probe exits when told
     assert report["session"] is True and process.returncode == 0
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["new interpreter", "forked"])
+def test_a_process_a_test_started_and_left_running_is_killed_as_the_test_ends(probe, warm):
+    """conftest's no_process_outlives_its_test, for whatever conftest's `started` started."""
+    popen = {"cwd": probe, "stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+    process = started([sys.executable, "run.py"], cold=not warm, **popen)
+    process.stdout.readline()  # its report: it runs, and waits for a line on its stdin
+    kill_what_runs_still()  # as the fixture does once the test has ended
+    assert process.returncode == -signal.SIGKILL
 
 
 def test_a_request_that_a_fork_cannot_honour_starts_cold(probe):
@@ -212,7 +225,7 @@ def test_a_request_that_fails_before_it_is_sent_leaves_the_warm_parent_serving(p
     parent = _warm_parent()
     with pytest.raises(OSError):  # an fd that is not open cannot be passed on
         WarmPopen(parent, [sys.executable, "run.py"], cwd=probe, stdin=987654)
-    process, report = started(probe, True)
+    process, report = probed(probe, True)
     process.communicate("exit 0\n")  # waits for its end: the probe exits when told
     assert report["pid"] == process.pid and process.returncode == 0
 

@@ -483,7 +483,10 @@ def end_as_new(main: Callable[[], None]) -> NoReturn:
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0
         else:  # a message: printed, and the status 1
-            print(stop.code, file=sys.stderr)
+            if sys.stderr is not None:
+                print(stop.code, file=sys.stderr)
+            else:  # as Python: to the process's own stderr
+                os.write(2, f"{stop.code}\n".encode())
             code = 1
     except BaseException as error:
         sys.excepthook(type(error), error, error.__traceback__)
