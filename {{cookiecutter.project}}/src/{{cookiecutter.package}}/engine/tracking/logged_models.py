@@ -71,7 +71,10 @@ def log_models(client: MlflowClient, run_id: str, asked: dict) -> None:
         from ..checkpoint.resume import load
 
         experiment = client.get_run(run_id).info.experiment_id
-        mlflow.set_experiment(experiment_id=experiment)  # MLflow files a model under the active one
+        # MLflow files a model in the active store and experiment. Set here, not as the sender starts:
+        # setting the store resets MLflow's tracing, which a run whose models are not logged never uses.
+        mlflow.set_tracking_uri(client.tracking_uri)
+        mlflow.set_experiment(experiment_id=experiment)
         # The model is traced on the CPU, where it loads on any machine; MLflow checks its example
         # through pyfunc, which would place it on a GPU wherever one is, and refuse it there.
         os.environ["MLFLOW_DEFAULT_PREDICTION_DEVICE"] = "cpu"

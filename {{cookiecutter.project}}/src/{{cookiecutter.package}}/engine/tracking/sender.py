@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
@@ -231,7 +230,6 @@ def drain() -> None:
                 if isinstance(item, dict) and "file" in item:
                     discard(Path(asked["spill_dir"]), item["file"]["path"])
             return
-        mlflow.set_tracking_uri(cfg.tracking_uri)  # where mlflow.pytorch.log_model writes (log_models)
         monitor, model_logging = started(cfg, opened) if "open" in first else (None, None)
         spill_file = spill_path(Path(asked["spill_dir"]), opened.run_id)
         _Sender(opened.client, opened.run_id, spill_file, incoming, say, monitor, model_logging).run()
