@@ -125,6 +125,16 @@ def record_stage(name: str, began: float) -> None:
             stages.write(f"{time.monotonic() - began:6.0f} s  {name}\n")
 
 
+def files_of(project: Path) -> set[Path]:
+    """The project's files and folders, less the caches Python and ruff keep beside the code."""
+    caches = {"__pycache__", ".ruff_cache"}
+    return {
+        path.relative_to(project)
+        for path in project.rglob("*")
+        if not caches & set(path.relative_to(project).parts)
+    }
+
+
 def in_parallel() -> list[str]:
     """pytest-xdist's options for the bake's suite: its tests wait for a subprocess most of the
     time, and each keeps to folders, stores and ports of its own (ports of the kernel's choosing),
@@ -140,8 +150,9 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
 ) -> None:
     """Every group's defaults changed where a user changes them (own_defaults.py): the tests that
     ship with a project hold the engine to its contracts, never to a value the user is meant to
-    change. The stock defaults are the generated README's, whose chain runs `pytest` in a stock bake
-    (test_readmes.py)."""
+    change, and leave the project as they found it (a test's runs, stores and artifacts go to its
+    own folders). The stock defaults are the generated README's, whose chain runs `pytest` in a
+    stock bake (test_readmes.py)."""
     project = bake(tmp_path)
     choose_own_defaults(project)
     # The venv already holds every runtime dependency and setuptools; no network needed.
@@ -155,6 +166,7 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
             filter(None, [str(project / "src"), os.environ.get("PYTHONPATH")])
         ),
     }
+    before = files_of(project)
     suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
     # The SLURM tier in one process of its own: it starts one cluster, where each worker would
     # start its own on the same ports (it skips, saying why, where it cannot start one). Its jobs
@@ -170,6 +182,8 @@ def test_a_bake_with_its_users_own_defaults_installs_passes_its_own_tests_and_li
     with stage("the bake's suite: pytest --all"):
         run_shown([*suite, "--all", *in_parallel()], project, own, capsys, "bake-all.log")
     slurm(capsys)
+    written = sorted(map(str, files_of(project) - before))
+    assert not written, f"the bake's suite wrote into the project it tests: {written[:5]}"
     run([sys.executable, "-m", "ruff", "check", "."], cwd=project)
     run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project)
     # The second model, a class and a YAML file only, from the command line: half of its schedule,

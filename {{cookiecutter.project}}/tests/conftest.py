@@ -168,6 +168,14 @@ def client(tracking_uri: str) -> "MlflowClient":
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+def new_experiment(client: "MlflowClient", name: str) -> str:
+    """An experiment of `client`'s sqlite store whose artifacts lie beside the store, as the engine
+    files a run's (tracking/mlflow_store.py): MLflow's default is ./mlruns of the folder pytest runs
+    in, your project."""
+    database = Path(client.tracking_uri.removeprefix("sqlite:///"))
+    return client.create_experiment(name, artifact_location=(database.parent / "mlruns").as_uri())
+
+
 @pytest.fixture
 def sigterm_at(monkeypatch):
     """Sends this process SIGTERM during training step `step`, as a cluster scheduler would."""

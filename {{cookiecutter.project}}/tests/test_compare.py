@@ -7,7 +7,7 @@ import sqlite3
 import sys
 
 import pytest
-from conftest import copy_project, run_cli
+from conftest import copy_project, new_experiment, run_cli
 from mlflow.entities import Metric, Param
 
 from {{cookiecutter.package}}.engine import train as recipe
@@ -112,7 +112,7 @@ def logged(client, experiment: str, name: str, optimized: tuple[str, str], **cur
 def test_the_better_run_is_the_one_of_the_better_best_each_at_its_step_though_the_other_ends_lower(
     make_cfg, client, homes
 ):
-    experiment = client.create_experiment("cmp-judged")
+    experiment = new_experiment(client, "cmp-judged")
     logged(client, experiment, "cmp-long", ("val/loss", "min"), val_loss=LONG, val_accuracy={100: 0.9, 300: 0.7})
     logged(client, experiment, "cmp-short", ("val/loss", "min"), val_loss=SHORT)
     logged(client, experiment, "cmp-acc", ("val/accuracy", "max"), val_accuracy={100: 0.8, 200: 0.7})

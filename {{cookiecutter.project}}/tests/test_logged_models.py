@@ -10,7 +10,7 @@ import sys
 import mlflow
 import pytest
 import torch
-from conftest import configured, losses, run_cli, runs_named, start
+from conftest import configured, losses, new_experiment, run_cli, runs_named, start
 from mlflow.entities import LoggedModelStatus
 from test_distributed import CPU, store
 from test_export import val_loss
@@ -217,7 +217,7 @@ def test_a_model_a_killed_sender_did_not_log_is_said_marked_failed_and_logged_on
 
 def test_a_model_a_dead_sender_left_pending_is_marked_failed_by_the_next_sender_of_its_run(client):
     """The training process, killed with its sender, could not mark it."""
-    experiment = client.create_experiment("left-pending")
+    experiment = new_experiment(client, "left-pending")
     run_id = client.create_run(experiment).info.run_id
     logged = client.create_logged_model(experiment, source_run_id=run_id, name="best", tags={"checkpoint": "a"})
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)

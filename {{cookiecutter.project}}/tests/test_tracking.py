@@ -20,7 +20,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import configured, losses, run_cli, runs_named, start, wait_for_a_save
+from conftest import configured, losses, new_experiment, run_cli, runs_named, start, wait_for_a_save
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from PIL import Image
@@ -380,7 +380,7 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
     assert [row["step"] for row in rows] == list(range(1, 31))
     assert f"30 metrics could not reach MLflow; they are in {spill}" in caplog.text
     assert f"python -m {{cookiecutter.package}}.engine.tracking replay {spill}" in caplog.text
-    run_id = client.create_run(client.create_experiment("replay")).info.run_id
+    run_id = client.create_run(new_experiment(client, "replay")).info.run_id
     spilled_for(spill, run_id)
     assert replay(spill, client.tracking_uri) == (30, 0, {})
     assert losses(client, run_id) == {step: [step / 10] for step in range(1, 31)}
@@ -388,7 +388,7 @@ def test_metrics_that_never_got_through_go_to_a_file_that_replays_into_mlflow(tm
 
 
 def test_replay_ends_a_run_that_the_store_could_not_end(tmp_path, client, caplog):
-    run = client.create_run(client.create_experiment("replay-end"))
+    run = client.create_run(new_experiment(client, "replay-end"))
     end = {"status": "KILLED", "end_time": run.info.start_time + 5000, "resumes": 0}
     store = Store()
     store.failing = True
@@ -429,7 +429,7 @@ def test_an_end_the_store_refused_is_recorded_even_when_every_metric_arrived(tmp
 
 
 def test_replay_ends_only_a_run_still_waiting_for_that_end(tmp_path, client):
-    experiment = client.create_experiment("replay-guard")
+    experiment = new_experiment(client, "replay-guard")
     resumed = client.create_run(experiment, tags={"resumes": "1"})  # resumed after the end was recorded
     ended = client.create_run(experiment)
     client.set_terminated(ended.info.run_id, status="FAILED")
@@ -572,7 +572,7 @@ def test_files_that_never_got_through_wait_on_disk_and_replay_sends_each_once(tm
     assert notes.read_text() == "kept" and image.exists(), "a spilled file stays where it is, for replay"
     # A sender killed before it confirmed what it spilled leaves the trainer to spill it again.
     spill.write_text(spill.read_text() + spill.read_text().split("\n", 1)[1])
-    run_id = client.create_run(client.create_experiment("replay-files")).info.run_id
+    run_id = client.create_run(new_experiment(client, "replay-files")).info.run_id
     spilled_for(spill, run_id)
 
     assert replay(spill, client.tracking_uri) == (1, 2, {})
@@ -752,7 +752,7 @@ def test_a_spill_file_that_is_a_link_is_not_written_through(tmp_path):
 
 
 def test_a_line_cut_short_by_a_killed_writer_costs_that_line_alone(tmp_path, client):
-    run_id = client.create_run(client.create_experiment("cut-short")).info.run_id
+    run_id = client.create_run(new_experiment(client, "cut-short")).info.run_id
     path = tmp_path / f"unsent-metrics-{run_id}.jsonl"
 
     def row(step: int) -> dict:
@@ -765,7 +765,7 @@ def test_a_line_cut_short_by_a_killed_writer_costs_that_line_alone(tmp_path, cli
 
 
 def test_a_line_replay_cannot_send_is_skipped_and_named_and_the_rest_is_sent(tmp_path, client, caplog):
-    run = client.create_run(client.create_experiment("bad-lines"))
+    run = client.create_run(new_experiment(client, "bad-lines"))
     run_id = run.info.run_id
     path = tmp_path / f"unsent-metrics-{run_id}.jsonl"
     end = {"run_id": run_id, "status": "KILLED", "end_time": run.info.start_time + 5, "resumes": 0}
@@ -805,7 +805,7 @@ def test_a_staged_hard_link_to_a_file_outside_is_neither_sent_nor_deleted_by_rep
     link = tmp_path / STAGING / "notes.txt.d" / "notes.txt"
     link.parent.mkdir(parents=True)
     os.link(outside, link)  # a link in the folder, the file it names elsewhere: what the run writes has one name
-    run_id = client.create_run(client.create_experiment("hard-link")).info.run_id
+    run_id = client.create_run(new_experiment(client, "hard-link")).info.run_id
     path = tmp_path / f"unsent-metrics-{run_id}.jsonl"
     file = {"path": f"{STAGING}/notes.txt.d/notes.txt", "artifact_path": None}
     path.write_text(json.dumps({"run_id": run_id, "file": file}) + "\n")
