@@ -521,13 +521,14 @@ def _die_with_parent() -> None:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """moto's S3 server on a free port of localhost, for the session (one per xdist worker)."""
+    """moto's S3 server on a free port of localhost, for the session (one per xdist worker), its
+    conditional writes atomic as S3's (s3_server.py)."""
     pytest.importorskip("s3fs", reason="pip install -e '.[remote]'")
     pytest.importorskip("moto.server", reason="an S3 server on localhost: pip install -e '.[remote,s3-server]'")
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "w") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+            [sys.executable, Path(__file__).with_name("s3_server.py"), "-H", "127.0.0.1", "-p", "0"],
             stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )  # fmt: skip
     try:
