@@ -1364,25 +1364,32 @@ def test_a_sharded_checkpoint_is_mirrored_as_a_folder_and_a_new_machine_continue
 
 @pytest.mark.slow
 def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_saying_so(
-    make_cfg, bucket, tmp_path, monkeypatch
+    make_cfg, bucket, tmp_path, monkeypatch, caplog
 ):
     remote, s3 = bucket
     bucket_name, prefix = remote.removeprefix("s3://").split("/", 1)
     other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
     real_step, steps_taken = recipe.train_step, []
 
+    def within_60_s(happened, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not happened():
+            assert time.monotonic() < deadline, f"{what}: not within 60 s"
+            time.sleep(0.02)
+
     def step_then_take_over(*arguments):
         steps_taken.append(1)
         if len(steps_taken) == 12:  # once the save at step 10 is remote
-            deadline = time.monotonic() + 60
-            while "committed/step_00000010.json" not in manifests(s3, remote):
-                assert time.monotonic() < deadline, "step 10 was not uploaded within 60 s"
-                time.sleep(0.02)
+            within_60_s(lambda: "committed/step_00000010.json" in manifests(s3, remote), "step 10's upload")
             s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
+            lost = f"lost the claim on {Store(remote).url}/{RUN} to PID 1 on host-b"
+            within_60_s(lambda: any(said.startswith(lost) for said in caplog.messages), "the claim's loss")
+        assert len(steps_taken) <= 20, "the claim's loss was known before step 12, yet the run trained past step 20"
         return real_step(*arguments)
 
     monkeypatch.setattr(recipe, "train_step", step_then_take_over)
-    settings = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=100000", "checkpoint.every_n_steps=10"]
+    settings = [f"name={RUN}", "mlflow.enabled=false", "trainer.max_steps=100000", "trainer.log_every_n_steps=10"]
+    settings.append("checkpoint.every_n_steps=10")
     with pytest.raises(RunError) as stopped:
         recipe.train(make_cfg(*settings, f"checkpoint.remote={remote}", "checkpoint.remote_lease_s=0.3"))
     assert re.fullmatch(
