@@ -471,9 +471,10 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_resumable(proj
     big = ["model.hidden_sizes=[2048,2048]", "trainer.max_steps=100000", "checkpoint.every_n_steps=5"]
     process = torchrun(project, *big, strategy=strategy)
     wait_for_a_save(home, process)
-    workers = ranks(process)
+    workers, deadline = ranks(process), time.monotonic() + 300
     while True:  # a save caught in progress, and checked to be so with both ranks stopped
         assert process.poll() is None, "no save was caught in progress"
+        assert time.monotonic() < deadline, "no save was caught in progress within 300 s"
         in_progress = [path for path in home.iterdir() if path.name.startswith("step_") and path.suffix == ".tmp"]
         if not in_progress:
             continue
@@ -514,7 +515,7 @@ def test_a_rank_killed_eight_times_under_max_restarts_resumes_each_time_and_fini
             gate.release()
         gate.wait(process)  # the attempt that is let go
         gate.release()
-        process.wait()
+        process.wait(timeout=600)
         log.seek(0)
         output = log.read()
     assert process.returncode == 0, output
@@ -549,7 +550,7 @@ def test_a_rank_killed_in_a_job_of_two_nodes_restarts_both_and_resumes(project, 
         gate.release()
         said = ""
         for node, log in zip(nodes, logs, strict=True):
-            node.wait()
+            node.wait(timeout=600)
             log.seek(0)
             said += log.read()
             assert node.returncode == 0, said
@@ -580,7 +581,8 @@ def saving(temporary: Path) -> bool:
 
 def test_a_rank_that_dies_leaves_the_other_one_line_naming_what_happened_and_no_traceback(project):
     home = project / "checkpoints" / configured().name
-    process = torchrun(project, "trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false")
+    settings = ["trainer.max_steps=100000", "checkpoint.every_n_steps=20", "mlflow.enabled=false"]
+    process = torchrun(project, *settings, "strategy.timeout_s=60")  # a rank 0 that waits for good fails in a minute
     # Past two saves, every collective a step and a save take has run once: one run for the first
     # time may still meet its peer through torchrun's store, which is held below (a CI run saw rank 0
     # wait there for strategy.timeout_s instead of finding its peer gone).

@@ -31,7 +31,7 @@ from {{cookiecutter.package}}.engine.checkpoint.remote import manifest
 from {{cookiecutter.package}}.engine.checkpoint.remote import run_folder as remote_run
 from {{cookiecutter.package}}.engine.checkpoint.remote.claim import Lost, RemoteClaim, pid_space
 from {{cookiecutter.package}}.engine.checkpoint.remote.fetch import fetch
-from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import Mirror
+from {{cookiecutter.package}}.engine.checkpoint.remote.mirror import MOST_PAUSE_S, Mirror
 from {{cookiecutter.package}}.engine.checkpoint.remote.store import Conflict, Store, StoreError
 from {{cookiecutter.package}}.engine.checkpoint.remote.url import checked
 from {{cookiecutter.package}}.engine.checkpoint.resume import newest_valid
@@ -301,7 +301,7 @@ def test_a_call_to_a_server_that_stopped_answering_fails_within_its_deadline_and
         took = time.monotonic() - began
     assert failed.value.transient and "no answer within 2 s" in str(failed.value)
     assert took < 20, took  # unbounded, it waits for good: 20 s leaves a busy machine its slowness
-    store.put_bytes("demo/x", b"2")
+    store.put_bytes("demo/x", b"2", within=60)  # its own deadline: the server answers the held PUT first
     assert keys(s3, remote) == {"x"}
 
 
@@ -434,15 +434,16 @@ def test_while_the_store_is_down_training_saves_on_local_copies_wait_and_the_upl
     remote, s3 = bucket
     home, store = tmp_path / "home", Store(remote, deadline_s=1)
     mirror = Mirror(store, RUN, home, keep_last=1, leg="leg-1", known={})
+    outlasts_a_pause = 2 * MOST_PAUSE_S + 30  # a call slower than 1 s on a busy machine doubles the mirror's pause
     save(mirror, home, 10, keep_last=1)
-    assert mirror.wait_for(10, 30)
+    assert mirror.wait_for(10, outlasts_a_pause)
     with s3_server.paused():
         for step in (20, 30, 40):
             save(mirror, home, step, keep_last=1)  # each returns at once: no save waits for the store
         # keep_last=1, yet none goes before a copy remote covers it (step 10's is remote: it went)
         assert sorted(step for step, _ in homes.steps(home)) == [20, 30, 40]
         assert not mirror.wait_for(40, 1.5)
-    assert mirror.wait_for(40, 30)
+    assert mirror.wait_for(40, outlasts_a_pause)
     said = mirror.settle(30)
     assert said.startswith("remote: step_00000040.pt is in ")
     assert sorted(step for step, _ in homes.steps(home)) == [40], "released once the newest is remote"
@@ -983,7 +984,7 @@ def test_a_manifest_from_elsewhere_is_read_as_data():
 def test_a_second_machine_is_refused_naming_the_first_and_takes_over_once_its_lease_ran_out(bucket, tmp_path, caplog):
     remote, _ = bucket
     store = store_of(remote)
-    first = RemoteClaim(store, RUN, tmp_path / "a", lease_s=1)
+    first = RemoteClaim(store, RUN, tmp_path / "a", lease_s=3)  # the store's clock says whole seconds
     first.take()
     first._ended.set()  # its renewals stop, as a machine taken away stops renewing
     second = RemoteClaim(store, RUN, tmp_path / "b", lease_s=60)
@@ -996,7 +997,7 @@ def test_a_second_machine_is_refused_naming_the_first_and_takes_over_once_its_le
         str(refused.value),
     ), refused.value
     deadline = time.monotonic() + 30
-    while store.read(f"{RUN}/claim.json").age_s <= 1:  # the lease runs out by the store's clock
+    while store.read(f"{RUN}/claim.json").age_s <= 3:  # the lease runs out by the store's clock
         assert time.monotonic() < deadline
         time.sleep(0.1)
     second.take()
@@ -1126,9 +1127,10 @@ def test_a_claim_deleted_under_a_live_run_is_made_again_by_its_holder_and_never_
         "it again"
     ]
     # Deleted again, and another machine claims the run before this one renews: this one lost it.
-    delete_claim(s3, remote)
-    other = RemoteClaim(store, RUN, tmp_path / "b", lease_s=60)
-    other.take()
+    with claimed._lock:  # between two renewals: none in flight
+        delete_claim(s3, remote)
+        other = RemoteClaim(store, RUN, tmp_path / "b", lease_s=60)
+        other.take()
     with pytest.raises(Lost, match=rf"^lost the claim on {re.escape(store.url)}/{RUN} to PID {os.getpid()} on "):
         claimed.renew()
     save(mirror, home, 30, keep_last=3)
