@@ -1373,19 +1373,13 @@ def test_a_run_whose_claim_another_machine_took_stops_at_its_next_logging_step_s
     other = {"holder": "PID 1 on host-b", "home": "/b", "leg": "b", "started": "", "lease_s": 60, "released": False}
     real_step, steps_taken = recipe.train_step, []
 
-    def within_60_s(happened, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not happened():
-            assert time.monotonic() < deadline, f"{what}: not within 60 s"
-            time.sleep(0.02)
-
     def step_then_take_over(*arguments):
         steps_taken.append(1)
         if len(steps_taken) == 12:  # once the save at step 10 is remote
-            within_60_s(lambda: "committed/step_00000010.json" in manifests(s3, remote), "step 10's upload")
+            until(lambda: "committed/step_00000010.json" in manifests(s3, remote), "step 10's upload", bound_s=60)
             s3.put_object(Bucket=bucket_name, Key=f"{prefix}/{RUN}/claim.json", Body=json.dumps(other).encode())
             lost = f"lost the claim on {Store(remote).url}/{RUN} to PID 1 on host-b"
-            within_60_s(lambda: any(said.startswith(lost) for said in caplog.messages), "the claim's loss")
+            until(lambda: any(said.startswith(lost) for said in caplog.messages), "the claim's loss", bound_s=60)
         assert len(steps_taken) <= 20, "the claim's loss was known before step 12, yet the run trained past step 20"
         return real_step(*arguments)
 
